@@ -1,0 +1,3 @@
+"""megazero: Megatron-style 3D parallelism (tensor, pipeline, ZeRO data) for GPT-2 pretraining."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,164 @@
+"""Collective wrappers over any process group, with byte accounting.
+
+Every collective megazero issues goes through these functions, so that (a) a group of size one
+(or ``None``) never touches torch.distributed, and (b) ``STATS`` counts the calls and the bytes
+each rank sends and receives per kind of collective. Bytes are those of the bandwidth-optimal
+ring algorithm (what NCCL and megazero's own ring collectives move): for n ranks and a buffer
+of B bytes, all-reduce sends and receives 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n of
+the full buffer, broadcast (n-1)/n B on average; point-to-point counts exactly what moved.
+
+This module imports nothing of megazero, so ``tensor_parallel`` stays usable on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group) -> int:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+@dataclass
+class CommStats:
+    """Per-kind counters of one process: calls, bytes sent, bytes received."""
+
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    sent: dict = field(default_factory=lambda: defaultdict(int))
+    received: dict = field(default_factory=lambda: defaultdict(int))
+    enabled: bool = True
+
+    def add(self, kind: str, sent: float, received: float) -> None:
+        if self.enabled:
+            self.calls[kind] += 1
+            self.sent[kind] += int(sent)
+            self.received[kind] += int(received)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.sent.clear()
+        self.received.clear()
+
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+    def snapshot(self) -> dict:
+        return {k: {"calls": self.calls[k], "sent": self.sent[k], "received": self.received[k]}
+                for k in sorted(self.calls)}
+
+
+STATS = CommStats()
+
+
+@contextlib.contextmanager
+def counting(stats: CommStats = STATS):
+    """Reset the counters on entry; read them inside or after the block."""
+    stats.reset()
+    yield stats
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
+    n = group_size(group)
+    if n == 1:
+        return None
+    b = _nbytes(tensor)
+    STATS.add("all_reduce", 2 * (n - 1) / n * b, 2 * (n - 1) / n * b)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(output, input_, group=None, async_op=False):
+    """output = concat over ranks of input_ (along dim 0 of the flat layout)."""
+    n = group_size(group)
+    if n == 1:
+        output.copy_(input_.reshape(output.shape))
+        return None
+    b = _nbytes(input_)
+    STATS.add("all_gather", (n - 1) * b, (n - 1) * b)
+    # 1-D views: gloo splits the output along dim 0 into n equal chunks of the input's shape.
+    return _all_gather_single(output.view(-1), input_.reshape(-1), group=group,
+                              async_op=async_op)
+
+
+def reduce_scatter_into(output, input_, group=None, op=dist.ReduceOp.SUM, async_op=False):
+    """output = this rank's chunk (dim 0) of the sum over ranks of input_."""
+    n = group_size(group)
+    if n == 1:
+        output.copy_(input_.reshape(output.shape))
+        return None
+    b = _nbytes(output)
+    STATS.add("reduce_scatter", (n - 1) * b, (n - 1) * b)
+    return _reduce_scatter_single(output.view(-1), input_.reshape(-1), op=op, group=group,
+                                  async_op=async_op)
+
+
+def broadcast(tensor, src: int, group=None, async_op=False):
+    """Broadcast from global rank ``src`` of ``group``."""
+    n = group_size(group)
+    if n == 1:
+        return None
+    b = _nbytes(tensor)
+    STATS.add("broadcast", (n - 1) / n * b, (n - 1) / n * b)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather_object(obj, group=None) -> list:
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group=None) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def send(tensor, dst: int, group=None):
+    STATS.add("p2p", _nbytes(tensor), 0)
+    dist.send(tensor, dst, group=group)
+
+
+def recv(tensor, src: int, group=None):
+    STATS.add("p2p", 0, _nbytes(tensor))
+    dist.recv(tensor, src, group=group)
+
+
+def isend(tensor, dst: int, group=None):
+    STATS.add("p2p", _nbytes(tensor), 0)
+    return dist.isend(tensor, dst, group=group)
+
+
+def irecv(tensor, src: int, group=None):
+    STATS.add("p2p", 0, _nbytes(tensor))
+    return dist.irecv(tensor, src, group=group)
+
+
+def backend_of(group=None) -> str | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_backend(group)

@@ -1,0 +1,347 @@
+"""Configuration tree: one dataclass per concern, filled by ``arguments.parse_args``.
+
+Every cross-check lives in a ``__post_init__`` and raises ``ConfigError`` with a message that
+names the command-line flags involved, so a wrong launch fails before any process group or
+tensor is created. Nothing here knows about torch.distributed; the world size is an integer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A flag value or combination of flags that megazero cannot run with."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """GPT-2 shape and regularisation (Megatron flag names in the messages)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    seq_length: int = 128
+    max_position_embeddings: int | None = None  # default seq_length
+    vocab_size: int | None = None  # true vocabulary size, set from the tokenizer
+    make_vocab_size_divisible_by: int = 128
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    params_dtype: str = "float32"
+    # activation recompute
+    recompute_activations: bool = False
+    recompute_num_layers: int = 1
+    partition_activations: bool = False
+    # fused kernels (used when built; PyTorch reference otherwise)
+    bias_gelu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    fused_layernorm: bool = True
+    masked_softmax_fusion: bool = True
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0,
+                   f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        _check(self.hidden_size % self.num_attention_heads == 0,
+               f"--hidden-size ({self.hidden_size}) must be divisible by "
+               f"--num-attention-heads ({self.num_attention_heads})")
+        _check(self.seq_length <= self.max_position_embeddings,
+               f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+               f"({self.max_position_embeddings})")
+        for name in ("attention_dropout", "hidden_dropout"):
+            p = getattr(self, name)
+            _check(0.0 <= p < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+        _check(self.params_dtype in DTYPES,
+               f"params dtype must be one of {sorted(DTYPES)}, got {self.params_dtype!r}")
+        _check(self.recompute_num_layers >= 1,
+               f"--checkpoint-num-layers must be >= 1, got {self.recompute_num_layers}")
+        if self.vocab_size is not None:
+            _check(self.vocab_size > 0, f"vocab size must be positive, got {self.vocab_size}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.params_dtype]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the rank grid: world = tp * dp * pp (tp fastest, then dp, then pp)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    world_size: int = 1
+    distributed_backend: str | None = None  # None: nccl with CUDA, else gloo
+    distributed_timeout_minutes: float = 10.0
+
+    def __post_init__(self):
+        tp, pp, world = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                         self.world_size)
+        _check(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+        _check(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+        _check(world >= 1, f"world size must be >= 1, got {world}")
+        _check(world % (tp * pp) == 0,
+               f"world size ({world}) is not divisible by --tensor-model-parallel-size ({tp}) "
+               f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
+        if self.virtual_pipeline_model_parallel_size is not None:
+            v = self.virtual_pipeline_model_parallel_size
+            _check(v >= 1, f"virtual pipeline size must be >= 1, got {v}")
+            _check(pp > 1 or v == 1,
+                   "--num-layers-per-virtual-pipeline-stage needs "
+                   "--pipeline-model-parallel-size > 1")
+            if v == 1:
+                self.virtual_pipeline_model_parallel_size = None
+        _check(self.distributed_backend in (None, "gloo", "nccl"),
+               f"--distributed-backend must be gloo or nccl, got {self.distributed_backend!r}")
+        _check(self.distributed_timeout_minutes > 0,
+               "--distributed-timeout-minutes must be positive, got "
+               f"{self.distributed_timeout_minutes}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule, precision, loss scaling and ZeRO."""
+
+    optimizer: str = "adam"  # adam | lamb | sgd
+    lr: float = 1.5e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"  # constant | linear | cosine
+    lr_warmup_fraction: float | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    adam_w_mode: bool = True
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    # precision and loss scaling
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # constant scale; None -> dynamic (fp16 only)
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # ZeRO data parallelism
+    zero_stage: int = 0
+    zero_reduce_bucket_size: int = 25_000_000  # elements
+    zero_allgather_bucket_size: int = 25_000_000  # elements
+    zero_overlap_comm: bool = False
+    zero_param_persistence_threshold: int = 0  # elements; params at or below stay whole
+    zero_prefetch: bool = True
+    cpu_offload: bool = False
+    cpu_torch_adam: bool = False
+    use_fused_step: bool = True  # fused unscale+clip+adam+cast kernel when built
+
+    def __post_init__(self):
+        _check(self.optimizer in ("adam", "lamb", "sgd"),
+               f"--optimizer must be adam, lamb or sgd, got {self.optimizer!r}")
+        _check(self.lr_decay_style in ("constant", "linear", "cosine"),
+               f"--lr-decay-style must be constant, linear or cosine, got "
+               f"{self.lr_decay_style!r}")
+        _check(not (self.fp16 and self.bf16), "--fp16 and --bf16 cannot both be set")
+        _check(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
+        _check(self.min_lr <= self.lr or self.lr == 0,
+               f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        if self.lr_warmup_fraction is not None:
+            _check(0.0 <= self.lr_warmup_fraction <= 1.0,
+                   f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+            _check(self.lr_warmup_iters == 0 and self.lr_warmup_samples == 0,
+                   "--lr-warmup-fraction cannot be combined with --lr-warmup-iters/samples")
+        _check(self.zero_stage in (0, 1, 2, 3),
+               f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _check(self.zero_reduce_bucket_size > 0 and self.zero_allgather_bucket_size > 0,
+               "--zero-reduce-bucket-size and --zero-allgather-bucket-size must be positive")
+        _check(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _check(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}")
+        _check(self.loss_scale_window >= 1,
+               f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
+        if self.loss_scale is not None:
+            _check(self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}")
+        _check(not (self.cpu_offload and self.zero_stage == 0),
+               "--cpu-offload / --zero-offload-optimizer needs --zero-stage >= 1")
+
+    @property
+    def params_dtype(self) -> str:
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from: Megatron ``--data-path`` blends or the default corpus."""
+
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    tokenizer_type: str | None = None  # GPT2BPETokenizer | SentencePieceTokenizer
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    num_workers: int = 0
+    default_corpus_dir: str | None = None  # cache folder of the built-in corpus
+
+    def __post_init__(self):
+        if self.tokenizer_type == "GPT2BPETokenizer":
+            _check(self.vocab_file is not None and self.merge_file is not None,
+                   "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        if self.tokenizer_type == "SentencePieceTokenizer":
+            _check(self.tokenizer_model is not None,
+                   "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts if p.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--split must be comma-separated numbers, got {self.split!r}") from None
+        _check(0 < len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
+               f"--split must hold up to 3 non-negative weights, got {self.split!r}")
+        if self.data_path:
+            _check(self.tokenizer_type is not None,
+                   "--data-path needs --tokenizer-type (with its vocab/merge or model files)")
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, length of training, logging, evaluation and checkpoints."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # default micro * dp
+    train_iters: int | None = None
+    train_samples: int | None = None
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    use_checkpoint_args: bool = False
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    tensorboard_dir: str | None = None
+    log_timers: bool = False
+    pipeline_trace: str | None = None
+    skip_train: bool = False
+
+    def __post_init__(self):
+        _check(self.micro_batch_size >= 1,
+               f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _check(not (self.train_iters is not None and self.train_samples is not None),
+               "use either --train-iters or --train-samples, not both")
+        _check(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}")
+        _check(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}")
+        _check(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.save_interval is not None:
+            _check(self.save_interval >= 1,
+                   f"--save-interval must be >= 1, got {self.save_interval}")
+
+
+@dataclass
+class MegazeroConfig:
+    """The whole tree, with the checks that span several concerns."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        m, p, o, t = self.model, self.parallel, self.optimizer, self.train
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        dp = p.data_parallel_size
+        m.params_dtype = o.params_dtype
+        _check(m.num_attention_heads % tp == 0,
+               f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+               f"--tensor-model-parallel-size ({tp})")
+        _check(m.ffn_hidden_size % tp == 0,
+               f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
+               f"--tensor-model-parallel-size ({tp})")
+        _check(m.num_layers % pp == 0,
+               f"--num-layers ({m.num_layers}) must be divisible by "
+               f"--pipeline-model-parallel-size ({pp}); megazero gives every stage the "
+               "same number of layers")
+        v = p.virtual_pipeline_model_parallel_size
+        if v is not None:
+            _check(m.num_layers % (pp * v) == 0,
+                   f"--num-layers ({m.num_layers}) must be divisible by "
+                   f"--pipeline-model-parallel-size ({pp}) x virtual stages ({v})")
+        if p.sequence_parallel:
+            _check(m.seq_length % tp == 0,
+                   f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
+                   f"--tensor-model-parallel-size ({tp})")
+        if m.partition_activations:
+            _check(m.recompute_activations,
+                   "--partition-activations needs --recompute-activations")
+        if t.global_batch_size is None:
+            t.global_batch_size = t.micro_batch_size * dp
+        _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+               f"--global-batch-size ({t.global_batch_size}) must be divisible by "
+               f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
+        if v is not None:
+            n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+            _check(n_micro % pp == 0,
+                   f"the interleaved schedule needs the number of micro-batches ({n_micro} = "
+                   f"--global-batch-size / (--micro-batch-size x dp)) to be a multiple of "
+                   f"--pipeline-model-parallel-size ({pp})")
+
+    @property
+    def num_microbatches(self) -> int:
+        dp = self.parallel.data_parallel_size
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (for checkpoints loaded with ``weights_only=True``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MegazeroConfig:
+        return cls(
+            model=ModelConfig(**d["model"]),
+            parallel=ParallelConfig(**d["parallel"]),
+            optimizer=OptimizerConfig(**d["optimizer"]),
+            data=DataConfig(**d["data"]),
+            train=TrainConfig(**d["train"]),
+        )

@@ -1,0 +1,158 @@
+"""Build megazero: the Python package plus optional compiled kernels.
+
+Every folder of ``csrc/`` that holds ``.cpp`` files becomes one plain pybind11 extension,
+``megazero.ops._<folder>`` (no libtorch link, so it survives torch upgrades). Kernels pick
+their SIMD path (AVX-512, AVX2+FMA, scalar) at run time, so one build serves every x86 CPU.
+
+Environment knobs:
+  MEGAZERO_BUILD_OPS=0    build no extension at all (pure PyTorch reference paths are used).
+  MEGAZERO_BUILD_CUDA=1   also build the CUDA kernels (``csrc/*/*.cu``) with torch's extension
+                          builder; needs a CUDA torch in the build environment, so install with
+                          ``pip install --no-build-isolation -e .``. Default: on when the build
+                          environment has a CUDA torch and nvcc, else off.
+A failing extension build never fails the install: it is reported and skipped, and
+``python -m megazero.ops`` says which ops are built and why any is missing.
+"""
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+
+
+def _env_flag(name, default):
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def cpu_extensions():
+    from pybind11.setup_helpers import Pybind11Extension
+
+    exts = []
+    if not CSRC.is_dir():
+        return exts
+    is_x86 = platform.machine().lower() in ("x86_64", "amd64")
+    for folder in sorted(p for p in CSRC.iterdir() if p.is_dir()):
+        sources = sorted(str(s.relative_to(ROOT)) for s in folder.glob("*.cpp"))
+        if not sources:
+            continue
+        compile_args = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+        if is_x86:
+            # Baseline ISA only; AVX2/AVX-512 paths are compiled per function with
+            # __attribute__((target(...))) and chosen at run time.
+            compile_args.append("-mtune=generic")
+        exts.append(
+            Pybind11Extension(
+                f"megazero.ops._{folder.name}",
+                sources,
+                include_dirs=[str(CSRC), str(CSRC / "include")],
+                extra_compile_args=compile_args,
+                extra_link_args=["-fopenmp"],
+                cxx_std=17,
+            )
+        )
+    return exts
+
+
+def cuda_extensions():
+    """CUDA kernels, built only with a CUDA torch present in the build environment."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+    except Exception as exc:  # noqa: BLE001 - no torch in an isolated build env
+        print(f"megazero: CUDA kernels skipped (torch not importable at build time: {exc})")
+        return [], None
+    if not _env_flag("MEGAZERO_BUILD_CUDA", torch.version.cuda is not None and CUDA_HOME):
+        print("megazero: CUDA kernels skipped (no CUDA torch/nvcc, or MEGAZERO_BUILD_CUDA=0)")
+        return [], None
+    from torch.utils.cpp_extension import BuildExtension
+
+    exts = []
+    for folder in sorted(p for p in CSRC.iterdir() if p.is_dir()):
+        sources = sorted(str(s.relative_to(ROOT)) for s in folder.glob("*.cu"))
+        sources += sorted(str(s.relative_to(ROOT)) for s in folder.glob("*_cuda.cc"))
+        if not any(s.endswith(".cu") for s in sources):
+            continue
+        exts.append(
+            CUDAExtension(
+                f"megazero.ops._{folder.name}_cuda",
+                sources,
+                include_dirs=[str(CSRC), str(CSRC / "include")],
+                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math"]},
+            )
+        )
+    return exts, BuildExtension
+
+
+class OptionalBuildExt(build_ext):
+    """Build each extension on its own; a failure is reported, never fatal."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001
+            self._report(f"extension build step failed: {exc}")
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            self._report(f"{ext.name} not built ({type(exc).__name__}: {exc}); "
+                         "the PyTorch reference path will be used")
+
+    @staticmethod
+    def _report(msg):
+        sys.stderr.write(f"megazero: WARNING: {msg}\n")
+
+
+def make_build_ext(base):
+    if base is None:
+        return OptionalBuildExt
+
+    class OptionalTorchBuildExt(base):
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # noqa: BLE001
+                OptionalBuildExt._report(f"{ext.name} not built ({exc})")
+
+    return OptionalTorchBuildExt
+
+
+ext_modules = []
+build_ext_cls = OptionalBuildExt
+if _env_flag("MEGAZERO_BUILD_OPS", True):
+    ext_modules = cpu_extensions()
+    cuda_exts, torch_build_ext = cuda_extensions()
+    if cuda_exts:
+        ext_modules += cuda_exts
+        build_ext_cls = make_build_ext(torch_build_ext)
+
+setup(
+    name="megazero",
+    version="0.1.0",
+    description="Megatron-style 3D parallelism (tensor, pipeline, ZeRO data) for GPT-2 pretraining",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8")
+    if (ROOT / "README.md").exists()
+    else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megazero", "megazero.*"]),
+    install_requires=["torch>=2.3", "numpy", "regex", "sentencepiece"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout", "ruff", "matplotlib", "safetensors"],
+        "plot": ["matplotlib"],
+        "hf": ["safetensors"],
+    },
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext_cls},
+    zip_safe=False,
+)
