@@ -6,6 +6,7 @@ their SIMD path (AVX-512, AVX2+FMA, scalar) at run time, so one build serves eve
 
 Environment knobs:
   MEGAZERO_BUILD_OPS=0    build no extension at all (pure PyTorch reference paths are used).
+  MEGAZERO_BUILD_ONLY=a,b build only these csrc/ folders (quick rebuilds while developing).
   MEGAZERO_BUILD_CUDA=1   also build the CUDA kernels (``csrc/*/*.cu``) with torch's extension
                           builder; needs a CUDA torch in the build environment, so install with
                           ``pip install --no-build-isolation -e .``. Default: on when the build
@@ -40,7 +41,10 @@ def cpu_extensions():
     if not CSRC.is_dir():
         return exts
     is_x86 = platform.machine().lower() in ("x86_64", "amd64")
+    only = {v.strip() for v in os.environ.get("MEGAZERO_BUILD_ONLY", "").split(",") if v.strip()}
     for folder in sorted(p for p in CSRC.iterdir() if p.is_dir()):
+        if only and folder.name not in only:
+            continue
         sources = sorted(str(s.relative_to(ROOT)) for s in folder.glob("*.cpp"))
         if not sources:
             continue
