@@ -128,6 +128,10 @@ def _add_data_args(parser):
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--mock-data", action="store_true",
+                   help="train on synthetic random tokens (no files); needs --vocab-size")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size of --mock-data's null tokenizer")
     g.add_argument("--default-corpus-dir", default=None,
                    help="cache folder of the built-in corpus (default: ~/.cache/megazero)")
 

@@ -216,6 +216,8 @@ class DataConfig:
     reset_attention_mask: bool = False
     num_workers: int = 0
     default_corpus_dir: str | None = None  # cache folder of the built-in corpus
+    mock_data: bool = False  # synthetic tokens, no files (tests, benchmarks)
+    vocab_size: int | None = None  # vocabulary of the mock data's null tokenizer
 
     def __post_init__(self):
         if self.tokenizer_type == "GPT2BPETokenizer":
@@ -232,6 +234,10 @@ class DataConfig:
                 f"--split must be comma-separated numbers, got {self.split!r}") from None
         _check(0 < len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
                f"--split must hold up to 3 non-negative weights, got {self.split!r}")
+        if self.mock_data:
+            _check(not self.data_path, "--mock-data and --data-path are exclusive")
+            _check(self.vocab_size is not None and self.vocab_size > 1,
+                   "--mock-data needs --vocab-size (> 1)")
         if self.data_path:
             _check(self.tokenizer_type is not None,
                    "--data-path needs --tokenizer-type (with its vocab/merge or model files)")

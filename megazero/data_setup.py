@@ -1,0 +1,167 @@
+"""Data wiring of the training loop: tokenizer, default corpus, loaders sharded over dp.
+
+Part of ``training`` (the one place that joins data and parallelism): rank 0 builds the
+default corpus while the others wait, each data-parallel rank gets its slice of every global
+batch through the pretraining sampler (driven by consumed samples, so a resume continues with
+exactly the next samples), and batches are turned into model inputs (tokens, labels, loss mask,
+position ids, attention mask) here. ``--mock-data`` gives deterministic random tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from megazero import comm
+from megazero.parallel_state import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+class NullTokenizer:
+    """Tokenizer of ``--mock-data``: ids only; the last id is end-of-document."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+
+    def tokenize(self, text):
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Sample i: ``seq_length + 1`` tokens drawn from a generator seeded by (seed, i)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, idx):
+        rng = np.random.default_rng([self.seed, int(idx)])
+        text = rng.integers(0, self.vocab_size - 1, size=self.seq_length + 1, dtype=np.int64)
+        return {"text": text}
+
+
+def prepare_tokenizer(config, ps: ParallelState):
+    """Build the tokenizer (the default corpus first when no data is given); sets
+    ``config.model.vocab_size`` from it."""
+    d = config.data
+    if d.mock_data:
+        tokenizer = NullTokenizer(d.vocab_size)
+    else:
+        if not d.data_path and d.tokenizer_type is None:
+            corpus = _default_corpus(d.default_corpus_dir, ps)
+            d.data_path = [corpus.data_prefix]
+            d.tokenizer_type = corpus.tokenizer_type
+            d.tokenizer_model = corpus.tokenizer_model
+        from megazero.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file,
+                                    merge_file=d.merge_file, tokenizer_model=d.tokenizer_model,
+                                    make_vocab_size_divisible_by=(
+                                        config.model.make_vocab_size_divisible_by),
+                                    tensor_model_parallel_size=ps.tp_size)
+    config.model.vocab_size = tokenizer.vocab_size
+    return tokenizer
+
+
+def _default_corpus(cache_dir, ps):
+    from megazero.data.default_corpus import build_default_corpus
+
+    if ps.rank == 0:
+        corpus = build_default_corpus(cache_dir)
+    comm.barrier(ps.world_group)
+    if ps.rank != 0:
+        corpus = build_default_corpus(cache_dir)  # cached by now: only reads
+    return corpus
+
+
+def default_datasets_provider(config, tokenizer, num_samples, ps: ParallelState):
+    """GPT datasets from ``--data-path`` (or mock data), as Megatron's provider builds them."""
+    d, m = config.data, config.model
+    if d.mock_data:
+        return tuple(MockGPTDataset(n, m.seq_length, tokenizer.vocab_size,
+                                    config.train.seed + k) if n > 0 else None
+                     for k, n in enumerate(num_samples))
+    from megazero.data.gpt_dataset import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(
+        d.data_path, d.split, tuple(num_samples), m.seq_length, config.train.seed,
+        d.data_cache_path, barrier=lambda: comm.barrier(ps.world_group),
+        is_builder=ps.rank == 0)
+
+
+class BatchIterator:
+    """Iterates model-ready micro-batches of one dp rank, from ``consumed_samples`` on.
+
+    ``cyclic`` restarts at the beginning when exhausted (validation); ``reset()`` goes back to
+    the start (every evaluation sees the same batches, so a resumed run evaluates alike).
+    """
+
+    def __init__(self, dataset, config, ps, tokenizer, consumed_samples=0, cyclic=False):
+        self.dataset, self.config, self.ps = dataset, config, ps
+        self.eod = tokenizer.eod
+        self.cyclic = cyclic
+        self.reset(consumed_samples)
+
+    def reset(self, consumed_samples: int = 0):
+        from megazero.data.samplers import build_pretraining_data_loader
+
+        t = self.config.train
+        self.loader = build_pretraining_data_loader(
+            self.dataset, consumed_samples, t.micro_batch_size, self.ps.dp_rank, self.ps.dp_size,
+            num_workers=self.config.data.num_workers)
+        self._it = iter(self.loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from megazero.data.gpt_dataset import get_ltor_batch
+
+        try:
+            raw = next(self._it)
+        except StopIteration:
+            if not self.cyclic:
+                raise
+            self.reset(0)
+            raw = next(self._it)
+        d = self.config.data
+        batch = get_ltor_batch(raw["text"].long(), self.eod, d.reset_position_ids,
+                               d.reset_attention_mask, d.eod_mask_loss)
+        return {k: v.to(self.ps.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def build_data_iterators(provider, config, ps, tokenizer, train_iters, consumed_samples):
+    """(train, valid, test) iterators; a list of identical ones per virtual pipeline chunk."""
+    t = config.train
+    gbs = t.global_batch_size
+    eval_samples = t.eval_iters * gbs
+    datasets = provider(config, tokenizer, (train_iters * gbs, eval_samples, eval_samples), ps)
+    iterators = []
+    for k, ds in enumerate(datasets):
+        if ds is None:
+            iterators.append(None)
+            continue
+        start = consumed_samples if k == 0 else 0
+        make = lambda ds=ds, start=start, k=k: BatchIterator(ds, config, ps, tokenizer,  # noqa
+                                                             start, cyclic=k > 0)
+        v = ps.virtual_pp_size or 1
+        iterators.append(make() if v == 1 else _MultiIterator([make() for _ in range(v)]))
+    return tuple(iterators)
+
+
+class _MultiIterator(list):
+    """One iterator per virtual chunk (each yields the same micro-batches)."""
+
+    def reset(self, consumed_samples: int = 0):
+        for it in self:
+            it.reset(consumed_samples)

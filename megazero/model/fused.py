@@ -1,0 +1,81 @@
+"""Element-wise pieces of the transformer layer, fused when megazero's kernels allow.
+
+Each function takes a ``fused`` flag (from ``--no-bias-gelu-fusion`` and friends). With it, the
+compiled op from ``megazero.ops`` runs when built and its PyTorch reference otherwise; without
+it, the plain eager composition runs. All are local (no communication).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.tensor_parallel.initializers import init_ones, init_zeros, replicated
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _ops():
+    try:
+        import megazero.ops as ops
+    except ImportError:  # pragma: no cover - ops is part of the package
+        return None
+    return ops
+
+
+def gelu_tanh(y: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU (tanh approximation)."""
+    return 0.5 * y * (1.0 + torch.tanh(_SQRT_2_OVER_PI * y * (1.0 + 0.044715 * y * y)))
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    """gelu(x + bias): [s, b, f/tp] -> [s, b, f/tp]."""
+    ops = _ops()
+    if fused and bias is not None and ops is not None and hasattr(ops, "fused_bias_gelu"):
+        return ops.fused_bias_gelu(x, bias)
+    if bias is not None:
+        x = x + bias
+    return F.gelu(x, approximate="tanh")
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                     p: float, training: bool, fused: bool) -> torch.Tensor:
+    """residual + dropout(x + bias): [s, b, h] (or [s/tp, b, h] with sequence parallelism)."""
+    ops = _ops()
+    if fused and ops is not None and hasattr(ops, "fused_bias_dropout_add"):
+        return ops.fused_bias_dropout_add(x, bias, residual, p, training)
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=p, training=training)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim, replicated across tp (its params carry shard metadata).
+
+    With sequence parallelism each tp rank normalises its own part of the sequence, so the
+    gradients of ``weight`` and ``bias`` are partial and marked ``sequence_parallel`` for the
+    optimizer to all-reduce over tp.
+    """
+
+    def __init__(self, hidden: int, eps: float = 1e-5, *, sequence_parallel: bool = False,
+                 fused: bool = True, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.hidden, self.eps, self.fused = hidden, eps, fused
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden, dtype=params_dtype, device=device))
+        for p, spec in ((self.weight, init_ones()), (self.bias, init_zeros())):
+            p.mz_init, p.mz_shard = spec, replicated((hidden,))
+            p.tensor_model_parallel, p.partition_dim = False, -1
+            p.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        ops = _ops()
+        if self.fused and ops is not None and hasattr(ops, "fused_layer_norm"):
+            return ops.fused_layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.hidden}, eps={self.eps}"

@@ -1,0 +1,188 @@
+"""GPT-2 (or one pipeline stage of it), tensor-parallel over the tp group.
+
+A ``GPTModel`` holds a set of layers given by their global indices (a whole model, a pipeline
+stage, or one virtual chunk of the interleaved schedule). ``pre_process`` (first stage) adds the
+word and position embeddings; ``post_process`` (last stage) adds the final LayerNorm, the output
+layer tied to the word embedding, and the vocab-parallel loss. On a last stage that is not also
+first, the word embedding is a separate copy with the same name (so the same initial values)
+whose gradient the optimizer all-reduces over the embedding group.
+
+Parameter names do not depend on the layout (``layers.<global index>....``), so one seed gives
+the same full model for any split, and checkpoints can be reassembled at another layout.
+Inputs are ``[b, s]`` like Megatron's; inside, activations are ``[s, b, h]``.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.config import ModelConfig
+from megazero.model.fused import LayerNorm
+from megazero.model.transformer import TransformerLayer
+from megazero.parallel_state import ParallelState
+from megazero.tensor_parallel import (
+    VocabParallelEmbedding,
+    checkpoint,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    init_normal,
+    initialize_parameters,
+    vocab_parallel_cross_entropy,
+)
+from megazero.tensor_parallel.initializers import replicated
+from megazero.tensor_parallel.random import RNGStatesTracker
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) + learned position embeddings, then dropout."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, *, with_positions: bool,
+                 sequence_parallel: bool, tracker, device=None):
+        super().__init__()
+        dtype = config.torch_dtype
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_group=ps.tp_group,
+            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+            sequence_parallel=sequence_parallel, init_method=init_normal(config.init_method_std),
+            params_dtype=dtype, device=device)
+        self.position_embeddings = None
+        if with_positions:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size, dtype=dtype,
+                                                    device=device)
+            w = self.position_embeddings.weight
+            w.mz_init, w.mz_shard = init_normal(config.init_method_std), replicated(w.shape)
+            w.tensor_model_parallel, w.partition_dim = False, -1
+            w.sequence_parallel = sequence_parallel  # each tp rank sees its part of the sequence
+        self.dropout_p = config.hidden_dropout
+        self.sequence_parallel, self.tracker = sequence_parallel, tracker
+        self.tp_size, self.tp_rank = ps.tp_size, ps.tp_rank
+
+    def forward(self, input_ids, position_ids):
+        ids = input_ids.transpose(0, 1)  # [s, b]
+        x = self.word_embeddings(ids)  # [s, b, h] (or [s/tp, b, h], reduce-scattered)
+        pos = position_ids.transpose(0, 1)  # [s, b]
+        if self.sequence_parallel and self.tp_size > 1:
+            pos = pos.chunk(self.tp_size, dim=0)[self.tp_rank]  # this rank's part of s
+        x = x + self.position_embeddings(pos)
+        if self.sequence_parallel and self.tracker is not None and self.training:
+            with self.tracker.fork():
+                return F.dropout(x, self.dropout_p, self.training)
+        return F.dropout(x, self.dropout_p, self.training)
+
+
+class GPTModel(nn.Module):
+    """GPT-2 layers ``layer_numbers`` (global, 0-based) with optional embedding and head."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, *,
+                 tracker: RNGStatesTracker | None = None, pre_process: bool = True,
+                 post_process: bool = True, layer_numbers: list[int] | None = None,
+                 sequence_parallel: bool = False, seed: int | None = None, device=None):
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size is not set (it comes from the tokenizer)")
+        self.config, self.ps, self.tracker = config, ps, tracker
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and ps.tp_size > 1
+        if layer_numbers is None:
+            layer_numbers = list(range(config.num_layers))
+        self.layer_numbers = list(layer_numbers)
+        sp = self.sequence_parallel
+        self.embedding = None
+        if pre_process or post_process:
+            # The last stage holds the word embedding too (tied output layer).
+            self.embedding = Embedding(config, ps, with_positions=pre_process,
+                                       sequence_parallel=sp, tracker=tracker, device=device)
+            w = self.embedding.word_embeddings.weight
+            # With pp > 1 the first and last stages each hold the tied word embedding; the
+            # optimizer all-reduces its gradient over the embedding group, and the grad norm
+            # counts only the first stage's copy.
+            w.tied_embedding = ps.pp_size > 1
+            if post_process and not pre_process:
+                w.shared_embedding = True
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, ps.tp_group, tracker, sequence_parallel=sp,
+                                     device=device)
+            for i in self.layer_numbers})
+        self.final_layernorm = None
+        if post_process:
+            self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon,
+                                             sequence_parallel=sp, fused=config.fused_layernorm,
+                                             params_dtype=config.torch_dtype, device=device)
+        self.input_tensor = None
+        if seed is not None:
+            initialize_parameters(self, seed)
+
+    # ---- pipeline plumbing ---------------------------------------------------------------
+    def set_input_tensor(self, tensor):
+        """Activation received from the previous pipeline stage (``[s, b, h]``)."""
+        self.input_tensor = tensor
+
+    @property
+    def word_embedding_weight(self):
+        return self.embedding.word_embeddings.weight if self.embedding is not None else None
+
+    # ---- forward -------------------------------------------------------------------------
+    def _run_layers(self, x, attention_mask):
+        layers = list(self.layers.values())
+        cfg = self.config
+        if not (cfg.recompute_activations and self.training):
+            for layer in layers:
+                x = layer(x, attention_mask)
+            return x
+        group = self.ps.tp_group if cfg.partition_activations else None
+        chunk = cfg.recompute_num_layers
+        for start in range(0, len(layers), chunk):
+            block = layers[start:start + chunk]
+
+            def run(h, mask=attention_mask, block=block):
+                for layer in block:
+                    h = layer(h, mask)
+                return h
+
+            x = checkpoint(run, x, tracker=self.tracker, partition_group=group)
+        return x
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None):
+        """First stage: ids ``[b, s]``; other stages: the tensor from ``set_input_tensor``.
+
+        Returns the per-token loss ``[b, s]`` (last stage, with labels), the vocab-parallel
+        logits ``[b, s, Vp/tp]`` (last stage, no labels) or the hidden states ``[s, b, h]``
+        for the next stage.
+        """
+        if self.pre_process:
+            x = self.embedding(input_ids, position_ids)
+        else:
+            x = self.input_tensor
+            if x is None:
+                raise RuntimeError("pipeline stage called without set_input_tensor()")
+        x = self._run_layers(x, attention_mask)
+        if not self.post_process:
+            return x
+        x = self.final_layernorm(x)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.ps.tp_group)  # [s, b, h]
+        else:
+            x = copy_to_tp_region(x, self.ps.tp_group)
+        logits = F.linear(x, self.word_embedding_weight)  # [s, b, Vp/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        # fp32 loss; the logits buffer is consumed in place (it is not needed afterwards)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.ps.tp_group,
+                                            vocab_size=self.config.vocab_size,
+                                            inplace=True)  # [s, b]
+        return loss.transpose(0, 1).contiguous()  # [b, s]
+
+
+def stage_layer_numbers(num_layers: int, pp_size: int, pp_rank: int,
+                        virtual_size: int | None = None, chunk: int = 0) -> list[int]:
+    """Global layer indices of pipeline rank ``pp_rank`` (virtual chunk ``chunk``).
+
+    Plain: stage r holds layers ``[r * L/p, (r+1) * L/p)``. Interleaved with v chunks, chunk c
+    of stage r holds ``[(c * p + r) * L/(p v), ...)`` (Megatron's assignment).
+    """
+    v = virtual_size or 1
+    per = num_layers // (pp_size * v)
+    start = (chunk * pp_size + pp_rank) * per
+    return list(range(start, start + per))

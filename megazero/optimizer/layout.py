@@ -1,0 +1,162 @@
+"""Flat-buffer layout of parameters, cut into buckets and data-parallel shards.
+
+Parameters are placed back to back in one flat buffer per dtype, grouped into buckets (the unit
+of one reduce-scatter / all-gather). Each bucket is padded to a multiple of ``dp * align`` and
+split into ``dp`` equal chunks: data-parallel rank r owns chunk r of every bucket (as in
+Megatron's distributed optimizer). A parameter may straddle chunks and buckets may hold many
+parameters. ZeRO-1/2 use few large buckets (``--zero-reduce-bucket-size``); ZeRO-3 uses one
+bucket per module so a layer can be gathered on its own; ZeRO-0 owns everything.
+
+``Segment`` is a piece of one parameter inside this rank's owned chunk: the unit the optimizer
+updates, and what checkpoints record (parameter name, flat range within the parameter).
+Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ParamRange:
+    name: str
+    param: torch.nn.Parameter
+    start: int  # offset in the flat buffer
+    numel: int
+    bucket: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass
+class Bucket:
+    index: int
+    start: int  # offset in the flat buffer (multiple of dp * align)
+    end: int  # padded end
+    params: list[ParamRange] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def chunk(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        size = self.numel // dp_size
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+@dataclass
+class Segment:
+    """The part ``[param_start, param_end)`` (flat, within the local parameter) of one
+    parameter that lies in this rank's owned chunk at ``[start, end)`` of the flat buffer;
+    ``offset`` is its position in the rank's partition (its owned chunks, padding included,
+    concatenated in bucket order)."""
+
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    param_start: int
+    param_end: int
+    offset: int
+    bucket: int = 0
+    chunk_offset: int = 0  # position inside this bucket's owned chunk
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class FlatLayout:
+    """Placement of ``named_params`` (in the given order) into buckets and dp shards.
+
+    ``buckets`` is a list of lists of names (each becomes one bucket, in that order), or
+    ``None`` to cut greedily at ``bucket_size`` elements. ``own_bucket`` names parameters that
+    must sit alone in their bucket (so two pipeline stages holding them lay them out alike).
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], dp_size: int,
+                 dp_rank: int, *, bucket_size: int | None = None,
+                 buckets: list[list[str]] | None = None, own_bucket: set[str] | None = None,
+                 align: int = 16, shard: bool = True):
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.shard = shard
+        self.align = align
+        by_name = dict(named_params)
+        if buckets is None:
+            buckets = self._greedy_buckets(named_params, bucket_size, own_bucket or set())
+        self.buckets: list[Bucket] = []
+        self.ranges: dict[str, ParamRange] = {}
+        offset = 0
+        unit = (dp_size if shard else 1) * align
+        for bi, names in enumerate(buckets):
+            bucket = Bucket(bi, offset, offset)
+            pos = offset
+            for name in names:
+                p = by_name[name]
+                pr = ParamRange(name, p, pos, p.numel(), bi)
+                bucket.params.append(pr)
+                self.ranges[name] = pr
+                pos += p.numel()
+            bucket.end = offset + max(unit, -(-(pos - offset) // unit) * unit)
+            offset = bucket.end
+            self.buckets.append(bucket)
+        self.numel = offset
+        self.segments = self._owned_segments()
+        self.owned_numel = sum(s.numel for s in self.segments)
+
+    @staticmethod
+    def _greedy_buckets(named_params, bucket_size, own_bucket):
+        buckets, current, size = [], [], 0
+        for name, p in named_params:
+            if name in own_bucket:
+                if current:
+                    buckets.append(current)
+                    current, size = [], 0
+                buckets.append([name])
+                continue
+            current.append(name)
+            size += p.numel()
+            if bucket_size is not None and size >= bucket_size:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def owned_chunk(self, bucket: Bucket) -> tuple[int, int]:
+        if not self.shard:
+            return bucket.start, bucket.end
+        return bucket.chunk(self.dp_rank, self.dp_size)
+
+    def _owned_segments(self) -> list[Segment]:
+        segments, base = [], 0
+        for bucket in self.buckets:
+            c0, c1 = self.owned_chunk(bucket)
+            for pr in bucket.params:
+                a, b = max(pr.start, c0), min(pr.end, c1)
+                if a < b:
+                    segments.append(Segment(pr.name, pr.param, a, b, a - pr.start,
+                                            b - pr.start, base + a - c0, bucket.index, a - c0))
+            base += c1 - c0
+        return segments
+
+    def bucket_owned_offsets(self) -> list[tuple[int, int]]:
+        """For each bucket, the [start, end) of its owned chunk inside the owned partition.
+
+        Padding counts: the owned partition is the concatenation of owned chunks.
+        """
+        out, offset = [], 0
+        for bucket in self.buckets:
+            c0, c1 = self.owned_chunk(bucket)
+            out.append((offset, offset + (c1 - c0)))
+            offset += c1 - c0
+        return out
+
+    @property
+    def partition_numel(self) -> int:
+        """Elements of the owned partition including padding (sum of owned chunks)."""
+        return sum(c1 - c0 for c0, c1 in map(self.owned_chunk, self.buckets))

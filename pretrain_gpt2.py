@@ -1,0 +1,50 @@
+"""Pretrain GPT-2 with megazero: Megatron-LM's entry point, flags and log line.
+
+    python pretrain_gpt2.py --num-layers 4 --hidden-size 256 --num-attention-heads 4 \
+        --seq-length 256 --micro-batch-size 4 --global-batch-size 16 --train-iters 200
+    torchrun --nproc-per-node 4 pretrain_gpt2.py --tensor-model-parallel-size 2 ...
+
+With no --data-path, the built-in default corpus (the Python standard library, tokenized with
+a SentencePiece BPE trained on it) is built once and cached. See scripts/ for launchers.
+"""
+
+from functools import partial
+
+import torch
+
+from megazero.arguments import parse_args
+from megazero.data_setup import default_datasets_provider
+from megazero.model import build_gpt_model_chunks
+from megazero.training import pretrain
+
+
+def model_provider(config, ps, tracker):
+    """This rank's GPT-2 chunks (one per virtual pipeline stage)."""
+    return build_gpt_model_chunks(config.model, ps, tracker=tracker, seed=config.train.seed,
+                                  sequence_parallel=config.parallel.sequence_parallel,
+                                  device=ps.device)
+
+
+def train_valid_test_datasets_provider(config, tokenizer, train_val_test_num_samples, ps):
+    """GPT datasets from --data-path (a prefix or a weighted blend), split by --split."""
+    return default_datasets_provider(config, tokenizer, train_val_test_num_samples, ps)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Mean of the per-token losses over the tokens the mask keeps."""
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through this rank's model chunk."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, parse_args())
