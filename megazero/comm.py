@@ -13,6 +13,7 @@ This module imports nothing of megazero, so ``tensor_parallel`` stays usable on 
 from __future__ import annotations
 
 import contextlib
+import io
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -125,12 +126,27 @@ def broadcast(tensor, src: int, group=None, async_op=False):
 
 
 def all_gather_object(obj, group=None) -> list:
+    """Gather a picklable object of tensors and plain values from every rank of ``group``.
+
+    Serialised with ``torch.save`` and read back with ``weights_only=True`` (torch 2.13's
+    ``dist.all_gather_object`` fails on objects holding tensors).
+    """
     n = group_size(group)
     if n == 1:
         return [obj]
-    out = [None] * n
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = torch.empty(n, dtype=torch.int64)
+    all_gather_into(sizes, size, group)
+    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    padded[:data.numel()] = data
+    out = torch.empty(n * padded.numel(), dtype=torch.uint8)
+    all_gather_into(out, padded, group)
+    chunks = out.view(n, -1)
+    return [torch.load(io.BytesIO(chunks[i, :int(sizes[i])].numpy().tobytes()),
+                       weights_only=True) for i in range(n)]
 
 
 def barrier(group=None) -> None:

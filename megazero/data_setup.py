@@ -119,7 +119,10 @@ class BatchIterator:
         self.loader = build_pretraining_data_loader(
             self.dataset, consumed_samples, t.micro_batch_size, self.ps.dp_rank, self.ps.dp_size,
             num_workers=self.config.data.num_workers)
-        self._it = iter(self.loader)
+        # Creating a DataLoader iterator draws a seed from torch's default generator; keep
+        # that out of the training RNG stream so a resumed run draws the same dropout masks.
+        with torch.random.fork_rng(devices=[]):
+            self._it = iter(self.loader)
 
     def __iter__(self):
         return self

@@ -293,6 +293,7 @@ def _log(config, ps, state, optimizer, lr_scheduler, elapsed, iters, timers, his
     for k, v in avg.items():
         history.setdefault(k, []).append(v)
     history["iterations"].append(state.iteration)
+    history.setdefault("loss scale", []).append(optimizer.loss_scale)
     state.loss_sums, state.loss_iters = {}, 0
     state.interval_skipped = state.interval_nan = 0
 
