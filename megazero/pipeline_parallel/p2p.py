@@ -1,0 +1,140 @@
+"""Point-to-point exchange of activations and gradients between pipeline stages.
+
+Neighbours are taken from the ``ParallelState`` (``prev_rank``/``next_rank`` of the pp group,
+wrapping around, which the interleaved schedule needs). Activations travel forward (to the
+next stage) with tag 1, gradients backward (to the previous stage) with tag 2; within one
+exchange all activation operations are posted before all gradient operations, so each pair
+of ranks matches messages in the same order on both sides even when ``prev == next``
+(two stages). All operations of an exchange are posted at once (``batch_isend_irecv``, which
+gloo and NCCL both accept) and waited together: no ordering of blocking calls can deadlock.
+
+Shapes are fixed per run (``[s, b, h]``) unless ``variable_shapes`` is set, then each tensor is
+preceded by a small shape message.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megazero import comm
+from megazero.parallel_state import ParallelState
+
+ACT_TAG, GRAD_TAG, SHAPE_TAG_OFFSET = 1, 2, 10
+MAX_DIMS = 8
+
+
+class P2P:
+    """Send/recv helpers of one rank, for fixed ``shape`` and ``dtype`` activations."""
+
+    def __init__(self, ps: ParallelState, shape, dtype=torch.float32, device=None,
+                 variable_shapes: bool = False):
+        self.ps, self.shape, self.dtype = ps, tuple(shape) if shape else None, dtype
+        self.device = device or ps.device
+        self.variable_shapes = variable_shapes or self.shape is None
+
+    # ---- the one primitive ---------------------------------------------------------------
+    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """Send to next/prev and receive from prev/next in one batch; returns
+        ``(from_prev, from_next)`` (None where nothing was received)."""
+        ps = self.ps
+        if self.variable_shapes:
+            prev_shape, next_shape = self._exchange_shapes(send_next, send_prev, recv_prev,
+                                                           recv_next)
+        else:
+            prev_shape = next_shape = self.shape
+        ops, from_prev, from_next = [], None, None
+        # activations (forward direction) first ...
+        if send_next is not None:
+            ops.append(self._op(dist.isend, send_next, ps.next_rank, ACT_TAG))
+        if recv_prev:
+            from_prev = self._empty(prev_shape)
+            ops.append(self._op(dist.irecv, from_prev, ps.prev_rank, ACT_TAG))
+        # ... then gradients (backward direction)
+        if send_prev is not None:
+            ops.append(self._op(dist.isend, send_prev, ps.prev_rank, GRAD_TAG))
+        if recv_next:
+            from_next = self._empty(next_shape)
+            ops.append(self._op(dist.irecv, from_next, ps.next_rank, GRAD_TAG))
+        self._run(ops)
+        if from_prev is not None:
+            from_prev.requires_grad_(True)
+        return from_prev, from_next
+
+    def _op(self, fn, tensor, peer, tag):
+        nbytes = tensor.numel() * tensor.element_size()
+        if fn is dist.isend:
+            comm.STATS.add("p2p", nbytes, 0)
+            tensor = tensor.detach().contiguous()
+        else:
+            comm.STATS.add("p2p", 0, nbytes)
+        return dist.P2POp(fn, tensor, peer, tag=tag), tensor
+
+    @staticmethod
+    def _run(ops):
+        if not ops:
+            return
+        reqs = dist.batch_isend_irecv([op for op, _ in ops])
+        for req in reqs:
+            req.wait()
+
+    def _empty(self, shape):
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next):
+        def encode(t):
+            s = torch.zeros(MAX_DIMS + 1, dtype=torch.int64)
+            s[0] = t.dim()
+            s[1:1 + t.dim()] = torch.tensor(t.shape)
+            return s.to(self.device)
+
+        ps, ops = self.ps, []
+        recv_p = torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=self.device) \
+            if recv_prev else None
+        recv_n = torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=self.device) \
+            if recv_next else None
+        if send_next is not None:
+            ops.append(self._op(dist.isend, encode(send_next), ps.next_rank,
+                                ACT_TAG + SHAPE_TAG_OFFSET))
+        if recv_p is not None:
+            ops.append(self._op(dist.irecv, recv_p, ps.prev_rank, ACT_TAG + SHAPE_TAG_OFFSET))
+        if send_prev is not None:
+            ops.append(self._op(dist.isend, encode(send_prev), ps.prev_rank,
+                                GRAD_TAG + SHAPE_TAG_OFFSET))
+        if recv_n is not None:
+            ops.append(self._op(dist.irecv, recv_n, ps.next_rank, GRAD_TAG + SHAPE_TAG_OFFSET))
+        self._run(ops)
+        decode = lambda s: tuple(int(x) for x in s[1:1 + int(s[0])].tolist())  # noqa: E731
+        return (decode(recv_p) if recv_p is not None else None,
+                decode(recv_n) if recv_n is not None else None)
+
+    # ---- what the schedules call ---------------------------------------------------------
+    def recv_forward(self):
+        """Activation from the previous stage (None on the first stage)."""
+        if self.ps.is_first_stage:
+            return None
+        return self.communicate(recv_prev=True)[0]
+
+    def recv_backward(self):
+        """Gradient from the next stage (None on the last stage)."""
+        if self.ps.is_last_stage:
+            return None
+        return self.communicate(recv_next=True)[1]
+
+    def send_forward(self, output):
+        if not self.ps.is_last_stage and output is not None:
+            self.communicate(send_next=output)
+
+    def send_backward(self, input_grad):
+        if not self.ps.is_first_stage and input_grad is not None:
+            self.communicate(send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output):
+        if self.ps.is_last_stage:
+            return None
+        return self.communicate(send_next=output, recv_next=True)[1]
+
+    def send_backward_recv_forward(self, input_grad):
+        if self.ps.is_first_stage:
+            return None
+        return self.communicate(send_prev=input_grad, recv_prev=True)[0]
