@@ -7,10 +7,12 @@ their SIMD path (AVX-512, AVX2+FMA, scalar) at run time, so one build serves eve
 Environment knobs:
   MEGAZERO_BUILD_OPS=0    build no extension at all (pure PyTorch reference paths are used).
   MEGAZERO_BUILD_ONLY=a,b build only these csrc/ folders (quick rebuilds while developing).
-  MEGAZERO_BUILD_CUDA=1   also build the CUDA kernels (``csrc/*/*.cu``) with torch's extension
-                          builder; needs a CUDA torch in the build environment, so install with
-                          ``pip install --no-build-isolation -e .``. Default: on when the build
-                          environment has a CUDA torch and nvcc, else off.
+  MEGAZERO_BUILD_CUDA=0/1 the CUDA kernels (``csrc/<folder>/*.cu`` + ``*_cuda.cc`` ->
+                          ``megazero.ops._<folder>_cuda``), built with torch's extension builder;
+                          needs a CUDA torch in the build environment, so install with
+                          ``pip install --no-build-isolation -e .``. Default: on when torch is a
+                          CUDA build matching nvcc's major version and a GPU is visible (or
+                          TORCH_CUDA_ARCH_LIST names the targets), else off with the reason.
 A failing extension build never fails the install: it is reported and skipped, and
 ``python -m megazero.ops`` says which ops are built and why any is missing.
 """
@@ -41,7 +43,7 @@ def cpu_extensions():
     if not CSRC.is_dir():
         return exts
     is_x86 = platform.machine().lower() in ("x86_64", "amd64")
-    only = {v.strip() for v in os.environ.get("MEGAZERO_BUILD_ONLY", "").split(",") if v.strip()}
+    only = _build_only()
     for folder in sorted(p for p in CSRC.iterdir() if p.is_dir()):
         if only and folder.name not in only:
             continue
@@ -66,25 +68,73 @@ def cpu_extensions():
     return exts
 
 
+def _build_only():
+    return {v.strip() for v in os.environ.get("MEGAZERO_BUILD_ONLY", "").split(",") if v.strip()}
+
+
+def _nvcc_major(cuda_home):
+    """Major CUDA version of ``cuda_home``'s nvcc, or None when it cannot be run."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.check_output([os.path.join(cuda_home, "bin", "nvcc"), "--version"],
+                                      text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    match = re.search(r"release (\d+)\.", out)
+    return int(match.group(1)) if match else None
+
+
+def _cuda_skip_reason(torch, cuda_home):
+    """Why the CUDA kernels cannot be built here (None: they can)."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if not cuda_home:
+        return "nvcc/CUDA_HOME not found"
+    nvcc = _nvcc_major(cuda_home)
+    if nvcc is None:
+        return f"cannot run {cuda_home}/bin/nvcc"
+    if nvcc != int(torch.version.cuda.split(".")[0]):
+        # torch's builder refuses a major-version mismatch (and would abort the whole build)
+        return f"nvcc is CUDA {nvcc} but torch was built with CUDA {torch.version.cuda}"
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        # without a GPU torch cannot pick the target architectures by itself
+        return "no GPU visible and TORCH_CUDA_ARCH_LIST unset"
+    return None
+
+
 def cuda_extensions():
-    """CUDA kernels, built only with a CUDA torch present in the build environment."""
+    """CUDA kernels: ``csrc/<folder>/*.cu`` (+ ``*_cuda.cc`` bindings) -> ``_<folder>_cuda``.
+
+    Built by default only with a CUDA torch whose CUDA major version matches nvcc's and a GPU
+    (or TORCH_CUDA_ARCH_LIST naming the targets); MEGAZERO_BUILD_CUDA=0 turns them off and
+    =1 asks for them (still skipped, with the reason, when the build cannot work).
+    """
+    wanted = _env_flag("MEGAZERO_BUILD_CUDA", None)
+    if wanted is False or not CSRC.is_dir():
+        return [], None
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except Exception as exc:  # noqa: BLE001 - no torch in an isolated build env
-        print(f"megazero: CUDA kernels skipped (torch not importable at build time: {exc})")
+        print(f"megazero: CUDA kernels skipped (torch not importable at build time: {exc}; "
+              "use pip install --no-build-isolation)")
         return [], None
-    if not _env_flag("MEGAZERO_BUILD_CUDA", torch.version.cuda is not None and CUDA_HOME):
-        print("megazero: CUDA kernels skipped (no CUDA torch/nvcc, or MEGAZERO_BUILD_CUDA=0)")
+    reason = _cuda_skip_reason(torch, CUDA_HOME)
+    if reason:
+        print(f"megazero: CUDA kernels skipped ({reason})")
         return [], None
-    from torch.utils.cpp_extension import BuildExtension
 
+    only = _build_only()
     exts = []
     for folder in sorted(p for p in CSRC.iterdir() if p.is_dir()):
-        sources = sorted(str(s.relative_to(ROOT)) for s in folder.glob("*.cu"))
-        sources += sorted(str(s.relative_to(ROOT)) for s in folder.glob("*_cuda.cc"))
-        if not any(s.endswith(".cu") for s in sources):
+        if only and folder.name not in only:
             continue
+        sources = sorted(str(s.relative_to(ROOT)) for s in folder.glob("*.cu"))
+        if not sources:
+            continue
+        sources += sorted(str(s.relative_to(ROOT)) for s in folder.glob("*_cuda.cc"))
         exts.append(
             CUDAExtension(
                 f"megazero.ops._{folder.name}_cuda",
@@ -122,6 +172,17 @@ def make_build_ext(base):
         return OptionalBuildExt
 
     class OptionalTorchBuildExt(base):
+        """torch's BuildExtension (needed for .cu), with every failure reported, not fatal."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:  # noqa: BLE001 - e.g. a compiler/CUDA version check
+                OptionalBuildExt._report(f"torch extension builder failed ({exc}); "
+                                         "building the CPU kernels without it")
+                self.extensions = [e for e in self.extensions if not e.name.endswith("_cuda")]
+                build_ext.build_extensions(self)
+
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)

@@ -109,7 +109,7 @@ def main():
     contenders = {"plain torch.nn + AdamW": plain_step_fn(args, ids, labels),
                   "megazero (tp=1, ZeRO-0)": megazero_step_fn(args, ids, labels)}
     times = {name: [] for name in contenders}
-    for name, (step, _) in contenders.items():
+    for step, _ in contenders.values():
         step()  # warm-up
     for _ in range(args.steps):
         for name, (step, _) in contenders.items():

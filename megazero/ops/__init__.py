@@ -2,9 +2,16 @@
 
 Kernels live in ``csrc/<name>/`` and are built by setup.py as ``megazero.ops._<name>``;
 ``megazero.ops._loader.load_extension`` returns the module or ``None`` (then the reference path
-runs). ``python -m megazero.ops`` reports what is built.
+runs). Modules wrapping a kernel register their ops in ``megazero.ops.registry``;
+``python -m megazero.ops`` reports what is built, for which SIMD level, and why any is missing.
+
+CPU optimizers: ``CPUAdam`` (cpu_adam.py), ``CPULamb`` (cpu_lamb.py); the fused ZeRO
+optimizer step and the global gradient norm: ``megazero.ops.fused_step``.
 """
 
 from megazero.ops._loader import load_extension
+from megazero.ops.cpu_adam import CPUAdam
+from megazero.ops.cpu_lamb import CPULamb
+from megazero.ops.registry import OP_MODULES, register_op
 
-__all__ = ["load_extension"]
+__all__ = ["CPUAdam", "CPULamb", "OP_MODULES", "load_extension", "register_op"]
