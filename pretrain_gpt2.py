@@ -19,10 +19,16 @@ from megazero.training import pretrain
 
 
 def model_provider(config, ps, tracker):
-    """This rank's GPT-2 chunks (one per virtual pipeline stage)."""
-    return build_gpt_model_chunks(config.model, ps, tracker=tracker, seed=config.train.seed,
+    """This rank's GPT-2 chunks (one per virtual pipeline stage).
+
+    With ZeRO-3 the chunks are built on the meta device: the optimizer materialises each
+    rank's partition directly, so the full model never exists on one rank.
+    """
+    zero3 = config.optimizer.zero_stage == 3
+    return build_gpt_model_chunks(config.model, ps, tracker=tracker,
+                                  seed=None if zero3 else config.train.seed,
                                   sequence_parallel=config.parallel.sequence_parallel,
-                                  device=ps.device)
+                                  device="meta" if zero3 else ps.device)
 
 
 def train_valid_test_datasets_provider(config, tokenizer, train_val_test_num_samples, ps):

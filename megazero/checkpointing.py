@@ -147,7 +147,7 @@ def param_meta(model_chunks) -> dict:
     for i, chunk in enumerate(model_chunks):
         for name, p in chunk.named_parameters():
             shard = getattr(p, "mz_shard", None)
-            entry = {"local_shape": list(p.shape), "chunk": i}
+            entry = {"local_shape": list(getattr(p, "mz_local_shape", p.shape)), "chunk": i}
             if shard is not None:
                 entry.update(shard.to_dict())
             meta[name] = entry
@@ -198,7 +198,9 @@ def save_checkpoint(root: str, iteration: int, *, model_chunks, optimizer, lr_sc
         state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                  "consumed_train_samples": consumed_train_samples,
                  "args": config.to_dict(), "layout": layout_of(ps, stage),
-                 "param_meta": param_meta(model_chunks), **_model_states(model_chunks)}
+                 "param_meta": param_meta(model_chunks)}
+        if stage < 3:  # ZeRO-3 keeps the model in the per-dp-rank shards
+            state.update(_model_states(model_chunks))
         if lr_scheduler is not None:
             state["opt_param_scheduler"] = lr_scheduler.state_dict()
         if rng is not None:
@@ -206,8 +208,9 @@ def save_checkpoint(root: str, iteration: int, *, model_chunks, optimizer, lr_sc
         if save_optim and stage == 0:
             state["optimizer"] = optimizer.sharded_state_dict()
         atomic_save(state, os.path.join(folder, MODEL_FILE))
-    if save_optim and stage > 0:
-        shard = optimizer.sharded_state_dict()
+    if stage == 3 or (save_optim and stage > 0):
+        shard = optimizer.sharded_state_dict(include_optimizer=save_optim) if stage == 3 \
+            else optimizer.sharded_state_dict()
         shard["layout"] = layout_of(ps, stage)
         atomic_save(shard, os.path.join(folder, zero_shard_name(ps.dp_rank)))
     if ps.rank == 0:
@@ -250,11 +253,21 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
                               ps=ps, tracker=tracker)
     state = safe_load(path)
     check_model_shape(state.get("args", {}), config, path)
-    _load_model(model_chunks, state, path)
+    if config.optimizer.zero_stage < 3:
+        _load_model(model_chunks, state, path)
     release = it == "release"
     finetune = tcfg.finetune or release
     load_optim = not (finetune or tcfg.no_load_optim) and optimizer is not None
-    if load_optim:
+    if config.optimizer.zero_stage == 3:
+        shard_path = os.path.join(folder, zero_shard_name(ps.dp_rank))
+        shard = safe_load(shard_path)
+        if load_optim and not shard.get("has_optimizer", True):
+            raise CheckpointError(f"{shard_path} holds no optimizer state (saved with "
+                                  "--no-save-optim); use --no-load-optim")
+        optimizer.load_sharded_state_dict(shard, load_optimizer=load_optim)
+        if load_optim and lr_scheduler is not None and "opt_param_scheduler" in state:
+            lr_scheduler.load_state_dict(state["opt_param_scheduler"])
+    elif load_optim:
         if config.optimizer.zero_stage == 0:
             if "optimizer" not in state:
                 raise CheckpointError(f"{path} holds no optimizer state (saved with "

@@ -93,7 +93,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     iters = num_train_iters(config)
     gbs = config.train.global_batch_size
     lr_scheduler = build_lr_scheduler(config.optimizer, gbs, iters * gbs)
-    optimizer = build_optimizer(model, config.optimizer, ps, lr_scheduler=lr_scheduler)
+    optimizer = build_optimizer(model, config.optimizer, ps, lr_scheduler=lr_scheduler,
+                                seed=config.train.seed)
     state = TrainState()
     if config.train.load:
         state.iteration, state.consumed_train_samples = checkpointing.load_checkpoint(
@@ -118,7 +119,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     if config.train.save and state.iteration > 0 and not _saved_at(state, config):
         save(config, model, optimizer, lr_scheduler, ps, state, tracker)
     history.update(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples,
-                   skipped_iters=state.skipped_iters, nan_iters=state.nan_iters)
+                   skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
+                   model=model, optimizer=optimizer, parallel_state=ps)
     return history
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import pretrain_gpt2
 from megazero.arguments import parse_args
+from megazero.optimizer.zero3 import GatheredParameters
 from megazero.reshard import assemble
 from megazero.training import pretrain
 from tests.dist_helper import run_distributed
@@ -23,24 +24,22 @@ TINY = ("--mock-data --vocab-size 96 --make-vocab-size-divisible-by 8 --num-laye
 
 def _train_worker(argv):
     config = parse_args(argv, world_size=dist.get_world_size())
-    chunks = []
-
-    def model_provider(config, ps, tracker):
-        model = pretrain_gpt2.model_provider(config, ps, tracker)
-        chunks.extend(model)
-        return model
-
-    history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider, model_provider,
+    history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
+                       pretrain_gpt2.model_provider,
                        pretrain_gpt2.forward_step, config)
-    ps = chunks[0].ps
+    ps = history.pop("parallel_state")
+    optimizer = history.pop("optimizer")
+    model = history.pop("model")
+    memory = optimizer.memory_report()  # before gathering everything below
     pieces = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            if getattr(p, "shared_embedding", False):
-                continue  # the last stage's copy of the tied embedding
-            pieces[name] = (p.detach().float().clone(), p.mz_shard.to_dict())
+    with GatheredParameters([p for c in model for p in c.parameters()]):
+        for chunk in model:
+            for name, p in chunk.named_parameters():
+                if getattr(p, "shared_embedding", False):
+                    continue  # the last stage's copy of the tied embedding
+                pieces[name] = (p.detach().float().clone(), p.mz_shard.to_dict())
     return {"history": history, "pieces": pieces, "dp_rank": ps.dp_rank,
-            "rank": dist.get_rank()}
+            "rank": dist.get_rank(), "memory": memory}
 
 
 def run_training(argv: str, world: int, timeout: float = 300):

@@ -72,6 +72,17 @@ class Embedding(nn.Module):
         return F.dropout(x, self.dropout_p, self.training)
 
 
+class TiedOutputLayer(nn.Module):
+    """Logits ``[s, b, Vp/tp]`` from hidden ``[s, b, h]`` with the word embedding's weight.
+
+    Holds no parameter of its own (the weight is passed in), so ZeRO-3 knows to gather the
+    embedding before it runs (see ``GPTModel.zero3_units``).
+    """
+
+    def forward(self, x, weight):
+        return F.linear(x, weight)
+
+
 class GPTModel(nn.Module):
     """GPT-2 layers ``layer_numbers`` (global, 0-based) with optional embedding and head."""
 
@@ -106,6 +117,7 @@ class GPTModel(nn.Module):
                                      device=device)
             for i in self.layer_numbers})
         self.final_layernorm = None
+        self.output_layer = TiedOutputLayer() if post_process else None
         if post_process:
             self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon,
                                              sequence_parallel=sp, fused=config.fused_layernorm,
@@ -122,6 +134,17 @@ class GPTModel(nn.Module):
     @property
     def word_embedding_weight(self):
         return self.embedding.word_embeddings.weight if self.embedding is not None else None
+
+    def zero3_units(self) -> list[tuple[str, list[nn.Module]]]:
+        """Units ZeRO-3 gathers as one: (module path, modules that need its parameters)."""
+        units = []
+        if self.embedding is not None:
+            users = [self.embedding] + ([self.output_layer] if self.post_process else [])
+            units.append(("embedding", users))
+        units += [(f"layers.{i}", [layer]) for i, layer in self.layers.items()]
+        if self.final_layernorm is not None:
+            units.append(("final_layernorm", [self.final_layernorm]))
+        return units
 
     # ---- forward -------------------------------------------------------------------------
     def _run_layers(self, x, attention_mask):
@@ -165,13 +188,14 @@ class GPTModel(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.ps.tp_group)  # [s, b, h]
         else:
             x = copy_to_tp_region(x, self.ps.tp_group)
-        logits = F.linear(x, self.word_embedding_weight)  # [s, b, Vp/tp]
+        logits = self.output_layer(x, self.word_embedding_weight)  # [s, b, Vp/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         # fp32 loss; the logits buffer is consumed in place (it is not needed afterwards)
+        # unless it is a view (module hooks, e.g. ZeRO-3's, wrap outputs in views).
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.ps.tp_group,
                                             vocab_size=self.config.vocab_size,
-                                            inplace=True)  # [s, b]
+                                            inplace=logits._base is None)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
 

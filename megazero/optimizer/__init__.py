@@ -11,11 +11,13 @@ from megazero.optimizer.lr_scheduler import LRScheduler, build_lr_scheduler
 from megazero.optimizer.zero import ZeroOptimizer
 
 
-def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None):
+def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int = 0):
+    """``seed`` initialises ZeRO-3 parameters built on the meta device (by name)."""
     if opt_config.zero_stage == 3:
         from megazero.optimizer.zero3 import Zero3Optimizer
 
-        return Zero3Optimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler)
+        return Zero3Optimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
+                              seed=seed)
     return ZeroOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler)
 
 

@@ -19,6 +19,18 @@ from dataclasses import dataclass, field
 import torch
 
 
+def param_numel(p) -> int:
+    """Elements of a parameter's local tensor (its recorded shape when its storage is
+    partitioned away, as under ZeRO-3)."""
+    shape = getattr(p, "mz_local_shape", None)
+    if shape is None:
+        return p.numel()
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
 @dataclass
 class ParamRange:
     name: str
@@ -97,10 +109,10 @@ class FlatLayout:
             pos = offset
             for name in names:
                 p = by_name[name]
-                pr = ParamRange(name, p, pos, p.numel(), bi)
+                pr = ParamRange(name, p, pos, param_numel(p), bi)
                 bucket.params.append(pr)
                 self.ranges[name] = pr
-                pos += p.numel()
+                pos += pr.numel
             bucket.end = offset + max(unit, -(-(pos - offset) // unit) * unit)
             offset = bucket.end
             self.buckets.append(bucket)
@@ -119,7 +131,7 @@ class FlatLayout:
                 buckets.append([name])
                 continue
             current.append(name)
-            size += p.numel()
+            size += param_numel(p)
             if bucket_size is not None and size >= bucket_size:
                 buckets.append(current)
                 current, size = [], 0

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 def no_weight_decay(name: str, param) -> bool:
     """Megatron's exclusions: biases and 1-D parameters (LayerNorm weights)."""
-    return name.endswith(".bias") or param.dim() == 1
+    shape = getattr(param, "mz_local_shape", param.shape)  # ZeRO-3 frees the storage
+    return name.endswith(".bias") or len(shape) == 1
 
 
 def counted_in_norm(param, ps: ParallelState) -> bool:
@@ -68,12 +69,15 @@ def collect_named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
 class ZeroOptimizer:
     """ZeRO stages 0-2 over ``model_chunks`` (``torch.nn.Module`` list) on ``ps.dp_group``."""
 
+    supported_stages = (0, 1, 2)
+
     def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
                  named_params=None):
         self.config, self.ps = opt_config, ps
         self.stage = opt_config.zero_stage
-        if self.stage not in (0, 1, 2):
-            raise ValueError(f"ZeroOptimizer handles stages 0-2, got {self.stage}")
+        if self.stage not in self.supported_stages:
+            raise ValueError(f"{type(self).__name__} handles stages {self.supported_stages}, "
+                             f"got {self.stage}")
         self.dp_group, self.dp_size, self.dp_rank = ps.dp_group, ps.dp_size, ps.dp_rank
         self.shard = self.stage > 0 and self.dp_size > 1
         self.overlap = opt_config.zero_overlap_comm
@@ -88,7 +92,7 @@ class ZeroOptimizer:
         self._in_no_sync = False
         self._pending = []  # async reductions in flight: (work, finish)
         self._callback_queued = False
-        if self.stage == 2 or self.overlap:
+        if self.stage >= 2 or self.overlap:
             self._register_hooks()
         self.zero_grad()
 
@@ -99,41 +103,59 @@ class ZeroOptimizer:
             raise ValueError(f"all trainable parameters must share one dtype, got {dtypes}")
         self.dtype = dtypes[0]
         self.low_precision = self.dtype != torch.float32
-        ordered = list(reversed(named))  # backward order: last layers' grads are ready first
-        tied = {n for n, p in named if tied_across_stages(p, self.ps)}
-        self.layout = FlatLayout(ordered, self.dp_size, self.dp_rank,
-                                 bucket_size=self.config.zero_reduce_bucket_size,
-                                 own_bucket=tied, shard=self.shard)
-        device = named[0][1].device
+        self.device = self._target_device(named)
+        self.layout = self._make_layout(named)
         lay = self.layout
-        self.param_buffer = torch.zeros(lay.numel, dtype=self.dtype, device=device)
-        for pr in lay.ranges.values():
-            view = self.param_buffer[pr.start:pr.end]
-            view.copy_(pr.param.data.reshape(-1))
-            pr.param.data = view.view(pr.param.shape)
+        self._build_param_storage(named)
         self.grad_buffer = None
         if self.stage < 2:
-            self.grad_buffer = torch.zeros(lay.numel, dtype=self.dtype, device=device)
+            self.grad_buffer = torch.zeros(lay.numel, dtype=self.dtype, device=self.device)
         part = lay.partition_numel
         self.part_offsets = lay.bucket_owned_offsets()
         self.grad_partition = None
-        if self.stage == 2:
-            self.grad_partition = torch.zeros(part, dtype=self.dtype, device=device)
-        # fp32 main copy: for fp32 models the owned chunks of the parameter buffer themselves.
+        if self.stage >= 2:
+            self.grad_partition = torch.zeros(part, dtype=self.dtype, device=self.device)
+        # fp32 main copy: for fp32 models the owned chunks of the parameter storage themselves.
         self.main_chunks = []
         for bucket in lay.buckets:
-            c0, c1 = lay.owned_chunk(bucket)
-            chunk = self.param_buffer[c0:c1]
+            chunk = self._owned_model_chunk(bucket)
             self.main_chunks.append(chunk.float().clone() if self.low_precision else chunk)
-        self.state = {name: torch.zeros(part, dtype=torch.float32, device=device)
+        self.state = {name: torch.zeros(part, dtype=torch.float32, device=self.device)
                       for name in self.rule.state_names}
         self.param_keys = {name: i for i, name in enumerate(lay.ranges)}
         self._views = self._segment_views()
         self._staging = {}
         self._ready = [0] * len(lay.buckets)
 
+    def _target_device(self, named):
+        return named[0][1].device
+
+    def _make_layout(self, named) -> FlatLayout:
+        ordered = list(reversed(named))  # backward order: last layers' grads are ready first
+        tied = {n for n, p in named if tied_across_stages(p, self.ps)}
+        return FlatLayout(ordered, self.dp_size, self.dp_rank,
+                          bucket_size=self.config.zero_reduce_bucket_size, own_bucket=tied,
+                          shard=self.shard)
+
+    def _build_param_storage(self, named):
+        """One flat buffer holding every parameter; parameters become views into it."""
+        self.param_buffer = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        for pr in self.layout.ranges.values():
+            view = self.param_buffer[pr.start:pr.end]
+            view.copy_(pr.param.data.reshape(-1))
+            pr.param.data = view.view(pr.param.shape)
+
+    def _owned_model_chunk(self, bucket) -> torch.Tensor:
+        """Model-dtype storage of this rank's owned chunk of ``bucket``."""
+        c0, c1 = self.layout.owned_chunk(bucket)
+        return self.param_buffer[c0:c1]
+
+    def _replicated_buckets(self):
+        """Buckets whose full parameters every rank holds (all-gathered after the step)."""
+        return self.layout.buckets
+
     def _owned_grad(self, seg) -> torch.Tensor:
-        if self.stage == 2:
+        if self.stage >= 2:
             return self.grad_partition[seg.offset:seg.offset + seg.numel]
         return self.grad_buffer[seg.start:seg.end]
 
@@ -141,7 +163,9 @@ class ZeroOptimizer:
         views = []
         for seg in self.layout.segments:
             main = self.main_chunks[seg.bucket][seg.chunk_offset:seg.chunk_offset + seg.numel]
-            out = self.param_buffer[seg.start:seg.end] if self.low_precision else None
+            model = self._owned_model_chunk(self.layout.buckets[seg.bucket])
+            out = model[seg.chunk_offset:seg.chunk_offset + seg.numel] \
+                if self.low_precision else None
             wd = 0.0 if no_weight_decay(seg.name, seg.param) else self.config.weight_decay
             state = {k: v[seg.offset:seg.offset + seg.numel] for k, v in self.state.items()}
             views.append(SegmentView(main, self._owned_grad(seg), out, wd, state,
@@ -180,11 +204,13 @@ class ZeroOptimizer:
     def _on_grad_ready(self, pr):
         if self.stage < 2 and self._in_no_sync:
             return
+        if self._ready[pr.bucket] < 0:  # bucket already reduced in this backward
+            return
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         bucket = self.layout.buckets[pr.bucket]
-        if self.stage == 2:
+        if self.stage >= 2:
             staging = self._staging.get(bucket.index)
             if staging is None:
                 staging = torch.zeros(bucket.numel, dtype=self.dtype, device=pr.param.device)
@@ -198,7 +224,7 @@ class ZeroOptimizer:
 
     def _end_of_backward(self):
         self._callback_queued = False
-        if self.stage == 2:  # buckets whose params did not all get gradients: reduce anyway
+        if self.stage >= 2:  # buckets whose params did not all get gradients: reduce anyway
             for bucket in self.layout.buckets:
                 if 0 < self._ready[bucket.index] < len(bucket.params):
                     self._reduce_bucket(bucket, async_op=False)
@@ -225,6 +251,10 @@ class ZeroOptimizer:
             self._pending.append((work, finish))
         elif finish is not None:
             finish()
+        self._on_bucket_reduced(bucket)
+
+    def _on_bucket_reduced(self, bucket) -> None:
+        """Called once a bucket's gradients have left (stage 3 releases its parameters)."""
 
     def _accumulate_owned(self, bucket, reduced):
         """Stage 2: add the bucket's reduced chunk into the owned gradient partition."""
@@ -312,14 +342,14 @@ class ZeroOptimizer:
                                       False))
         return {"num_params": len(self.param_keys), "tp_sharded": flags}
 
+    def _full_model_bucket(self, bucket) -> torch.Tensor:
+        return self.param_buffer[bucket.start:bucket.end]
+
     def _all_gather_params(self):
         works = []
-        for bucket, main in zip(self.layout.buckets, self.main_chunks):
-            c0, c1 = self.layout.owned_chunk(bucket)
-            full = self.param_buffer[bucket.start:bucket.end]
-            src = self.param_buffer[c0:c1]  # already updated (model copy written by the rule)
-            if not self.low_precision:
-                src = main
+        for bucket in self._replicated_buckets():
+            full = self._full_model_bucket(bucket)
+            src = self._owned_model_chunk(bucket)  # updated in place by the rule
             works.append(comm.all_gather_into(full, src, self.dp_group,
                                               async_op=self.overlap))
         for w in works:
@@ -371,6 +401,11 @@ class ZeroOptimizer:
         for view in self._views:
             if view.model_out is not None:
                 view.main.copy_(view.model_out)
+
+    def load_model_only(self, state: dict) -> None:
+        """--no-load-optim / --finetune for stages 0-2: the model was loaded from the model
+        file; refresh the main copy from it."""
+        self.reload_model_params()
 
 
 def _find_fragment(frags, seg):
