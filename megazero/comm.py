@@ -90,6 +90,50 @@ def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+# Megazero's ring collectives replace gloo's for buffers of at least this size, when a one-time
+# measurement on the group says they are faster (see ring.py).
+RING_MIN_BYTES = 1 << 20
+_RINGS: dict = {}
+_RING_POLICY: list = [None]  # None: $MEGAZERO_RING or "auto"
+
+
+def set_ring_policy(policy: str | None) -> None:
+    """"ring", "native", "auto" (measure per group), or None for ``$MEGAZERO_RING``.
+    Applies to groups not measured yet."""
+    _RING_POLICY[0] = policy
+
+
+def _native_rs(out, inp, group):
+    _reduce_scatter_single(out, inp, group=group)
+
+
+def _native_ag(out, inp, group):
+    _all_gather_single(out, inp, group=group)
+
+
+def _ring_for(group, kind: str, nbytes: int):
+    """The group's Ring when it should carry this collective, else None."""
+    if nbytes < RING_MIN_BYTES or backend_of(group) != "gloo":
+        return None
+    entry = _RINGS.get(group)
+    if entry is None:
+        from megazero import ring
+
+        enabled, STATS.enabled = STATS.enabled, False
+        try:
+            entry = (ring.Ring(group), ring.choose(group, _native_rs, _native_ag,
+                                                   policy=_RING_POLICY[0]))
+        finally:
+            STATS.enabled = enabled
+        _RINGS[group] = entry
+    return entry[0] if entry[1][kind] else None
+
+
+def ring_decisions() -> dict:
+    """What the measurement chose per group (for reports and benchmarks)."""
+    return {str(dist.get_process_group_ranks(g)): d for g, (_, d) in _RINGS.items()}
+
+
 def all_gather_into(output, input_, group=None, async_op=False):
     """output = concat over ranks of input_ (along dim 0 of the flat layout)."""
     n = group_size(group)
@@ -98,19 +142,31 @@ def all_gather_into(output, input_, group=None, async_op=False):
         return None
     b = _nbytes(input_)
     STATS.add("all_gather", (n - 1) * b, (n - 1) * b)
+    ring = _ring_for(group, "all_gather", _nbytes(output))
+    if ring is not None:
+        return ring.all_gather(output.view(-1), input_.reshape(-1), async_op=async_op)
     # 1-D views: gloo splits the output along dim 0 into n equal chunks of the input's shape.
     return _all_gather_single(output.view(-1), input_.reshape(-1), group=group,
                               async_op=async_op)
 
 
-def reduce_scatter_into(output, input_, group=None, op=dist.ReduceOp.SUM, async_op=False):
-    """output = this rank's chunk (dim 0) of the sum over ranks of input_."""
+def reduce_scatter_into(output, input_, group=None, op=dist.ReduceOp.SUM, async_op=False,
+                        overwrite_input=False):
+    """output = this rank's chunk (dim 0) of the sum over ranks of input_.
+
+    ``overwrite_input`` lets the ring implementation use ``input_`` as scratch space.
+    """
     n = group_size(group)
     if n == 1:
         output.copy_(input_.reshape(output.shape))
         return None
     b = _nbytes(output)
     STATS.add("reduce_scatter", (n - 1) * b, (n - 1) * b)
+    ring = _ring_for(group, "reduce_scatter", _nbytes(input_)) \
+        if op == dist.ReduceOp.SUM else None
+    if ring is not None:
+        return ring.reduce_scatter(output.view(-1), input_.reshape(-1),
+                                   overwrite_input=overwrite_input, async_op=async_op)
     return _reduce_scatter_single(output.view(-1), input_.reshape(-1), op=op, group=group,
                                   async_op=async_op)
 

@@ -5,6 +5,9 @@ environment) it joins the job's process group; launched as a plain process it cr
 of one in memory (no port, no file). The backend is NCCL when CUDA is available and gloo
 otherwise, unless ``--distributed-backend`` says; collectives time out after
 ``--distributed-timeout-minutes`` instead of hanging.
+
+Calling the module, ``megazero.initialize(model, optimizer_config, parallel_state)``, builds a
+ZeRO engine around any model (see ``megazero.engine``), as DeepSpeed users expect.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import datetime
 import logging
 import os
 import random
+import sys
+import types
 
 import numpy as np
 import torch
@@ -80,3 +85,16 @@ def set_random_seed(seed: int, state: ParallelState,
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class _CallableModule(types.ModuleType):
+    """``megazero.initialize`` is this module (distributed init) and, called, the engine
+    constructor ``megazero.engine.initialize(model, optimizer_config, parallel_state)``."""
+
+    def __call__(self, *args, **kwargs):
+        from megazero.engine import initialize as engine_initialize
+
+        return engine_initialize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -242,7 +242,8 @@ class ZeroOptimizer:
                 else self._staging.pop(bucket.index)
             c0, c1 = self.layout.owned_chunk(bucket)
             out = torch.empty(c1 - c0, dtype=self.dtype, device=src.device)
-            work = comm.reduce_scatter_into(out, src, self.dp_group, async_op=async_op)
+            work = comm.reduce_scatter_into(out, src, self.dp_group, async_op=async_op,
+                                            overwrite_input=True)
             if self.stage == 1:
                 finish = lambda c0=c0, c1=c1, out=out: self.grad_buffer[c0:c1].copy_(out)
             else:

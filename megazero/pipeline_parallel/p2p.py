@@ -2,7 +2,7 @@
 
 Neighbours are taken from the ``ParallelState`` (``prev_rank``/``next_rank`` of the pp group,
 wrapping around, which the interleaved schedule needs). Activations travel forward (to the
-next stage) with tag 1, gradients backward (to the previous stage) with tag 2; within one
+next stage) with one tag, gradients backward (to the previous stage) with another; within one
 exchange all activation operations are posted before all gradient operations, so each pair
 of ranks matches messages in the same order on both sides even when ``prev == next``
 (two stages). All operations of an exchange are posted at once (``batch_isend_irecv``, which
@@ -20,7 +20,8 @@ import torch.distributed as dist
 from megazero import comm
 from megazero.parallel_state import ParallelState
 
-ACT_TAG, GRAD_TAG, SHAPE_TAG_OFFSET = 1, 2, 10
+# High tags: never equal to the small sequence numbers gloo gives its own collectives.
+ACT_TAG, GRAD_TAG, SHAPE_TAG_OFFSET = (1 << 29) + 1, (1 << 29) + 2, 10
 MAX_DIMS = 8
 
 

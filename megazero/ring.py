@@ -1,0 +1,152 @@
+"""Ring reduce-scatter and all-gather over point-to-point messages, for backends that lack fast
+ones (gloo), over any process group.
+
+For n ranks and a buffer of B bytes cut into n chunks, each of the n-1 steps sends one chunk to
+the next rank and receives one from the previous: every rank sends and receives exactly
+(n-1)/n B, the bandwidth-optimal volume. Reduce-scatter leaves the sum of chunk r on rank r;
+all-gather fills every chunk on every rank.
+
+On torch 2.13's gloo, ``reduce_scatter_tensor`` of 64 MiB over two ranks is slower than a full
+``all_reduce`` of it, while one-way send/recv moves ~1.3 GB/s, so these rings win for large
+buffers; ``comm`` picks between them and the backend's collectives by measuring once per
+group (``choose``). Operations may run asynchronously on one background thread per group, in
+issue order; each uses its own message tags, high above the small tags of other users.
+This module imports nothing of megazero.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+_TAG_BASE = 1 << 30
+_TAG_SPAN = 1 << 29
+
+
+class _Future:
+    """A work handle (``wait()``) for a ring operation run on the group's thread."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def wait(self):
+        self._future.result()
+        return True
+
+
+class Ring:
+    """Ring collectives over one process group (all ranks of it must create it alike)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.n = len(self.ranks)
+        self.rank = dist.get_rank(group)
+        self.next = self.ranks[(self.rank + 1) % self.n]
+        self.prev = self.ranks[(self.rank - 1) % self.n]
+        self._ops = 0
+        self._executor = None
+        self._scratch = None  # receive buffer, reused across calls (fresh pages are slow)
+
+    def _recv_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        s = self._scratch
+        if s is None or s.dtype != like.dtype or s.device != like.device \
+                or s.numel() < like.numel():
+            s = self._scratch = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return s[:like.numel()].view_as(like)
+
+    def _tag(self) -> int:
+        self._ops += 1
+        return _TAG_BASE + (self._ops * 2 * self.n) % _TAG_SPAN
+
+    def _exchange(self, send, recv, tag):
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+    def _submit(self, fn, *args):
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="megazero-ring")
+        return _Future(self._executor.submit(fn, *args))
+
+    def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, *,
+                       overwrite_input: bool = False, async_op: bool = False):
+        """output (1-D, B/n) = sum over ranks of chunk ``rank`` of input_ (1-D, B)."""
+        tag = self._tag()  # taken now, so tags follow issue order on every rank
+        if async_op or self._executor is not None:  # keep issue order with queued ops
+            work = self._submit(self._reduce_scatter, output, input_, overwrite_input, tag)
+            return work if async_op else work.wait() and None
+        self._reduce_scatter(output, input_, overwrite_input, tag)
+        return None
+
+    def _reduce_scatter(self, output, input_, overwrite_input, tag):
+        n, r = self.n, self.rank
+        work = input_ if overwrite_input else input_.clone()
+        chunks = work.view(n, -1)
+        recv = self._recv_buffer(chunks[0])
+        for k in range(n - 1):
+            send_c, recv_c = (r - k - 1) % n, (r - k - 2) % n
+            self._exchange(chunks[send_c], recv, tag + k)
+            chunks[recv_c].add_(recv)
+        output.copy_(chunks[r])
+
+    def all_gather(self, output: torch.Tensor, input_: torch.Tensor, *, async_op: bool = False):
+        """output (1-D, B) = concatenation over ranks of input_ (1-D, B/n)."""
+        tag = self._tag()
+        if async_op or self._executor is not None:
+            work = self._submit(self._all_gather, output, input_, tag)
+            return work if async_op else work.wait() and None
+        self._all_gather(output, input_, tag)
+        return None
+
+    def _all_gather(self, output, input_, tag):
+        n, r = self.n, self.rank
+        chunks = output.view(n, -1)
+        if chunks[r].data_ptr() != input_.data_ptr():
+            chunks[r].copy_(input_)
+        for k in range(n - 1):
+            send_c, recv_c = (r - k) % n, (r - k - 1) % n
+            self._exchange(chunks[send_c], chunks[recv_c], tag + k)
+
+
+def _median_time(fn, reps=3):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def choose(group, native_rs, native_ag, numel: int = 1 << 22, policy: str | None = None) -> dict:
+    """Measure native vs ring reduce-scatter and all-gather on ``group`` (a ~16 MiB fp32
+    buffer), decide on group rank 0, and broadcast: ``{"reduce_scatter": bool, ...}`` where
+    True means use the ring. ``policy`` (default ``$MEGAZERO_RING``) "1"/"ring" or
+    "0"/"native" forces the choice without measuring."""
+    policy = policy if policy is not None else os.environ.get("MEGAZERO_RING", "auto")
+    if policy in ("0", "1", "ring", "native"):
+        use = policy in ("1", "ring")
+        return {"reduce_scatter": use, "all_gather": use}
+    ring = Ring(group)
+    n = ring.n
+    numel -= numel % n
+    big = torch.ones(numel)
+    part = torch.ones(numel // n)
+    t = {
+        "native_rs": _median_time(lambda: native_rs(part, big, group)),
+        "ring_rs": _median_time(lambda: ring.reduce_scatter(part, big, overwrite_input=True)),
+        "native_ag": _median_time(lambda: native_ag(big, part, group)),
+        "ring_ag": _median_time(lambda: ring.all_gather(big, part)),
+    }
+    decision = torch.tensor([float(t["ring_rs"] < t["native_rs"]),
+                             float(t["ring_ag"] < t["native_ag"])])
+    dist.broadcast(decision, ring.ranks[0], group=group)
+    return {"reduce_scatter": bool(decision[0]), "all_gather": bool(decision[1]),
+            "timings": t}
