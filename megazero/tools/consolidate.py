@@ -71,7 +71,7 @@ class CheckpointReader:
         """Every logical parameter once (first stage's tied embedding)."""
         names = []
         for pp_rank in range(self.pp):
-            for name, meta in self.model_file(0, pp_rank)["param_meta"].items():
+            for name in self.model_file(0, pp_rank)["param_meta"]:
                 if name not in names:
                     names.append(name)
         return names
