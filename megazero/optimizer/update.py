@@ -81,6 +81,36 @@ class AdamRule:
             s.model_out.copy_(p)
 
 
+class TorchAdamRule:
+    """torch's own Adam/AdamW (``torch.optim.adam.adam``, fused on CPU and CUDA) run on the
+    segments' fp32 main values and megazero's state tensors (``--cpu-torch-adam``)."""
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, beta1=0.9, beta2=0.999, eps=1e-8, adam_w_mode=True):
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.adam_w_mode = adam_w_mode
+
+    def apply(self, segments, *, step, lr, grad_scale):
+        from torch.optim.adam import adam
+
+        groups: dict[float, list] = {}
+        for s in segments:
+            if s.main.numel():
+                groups.setdefault(s.weight_decay, []).append(s)
+        for wd, segs in groups.items():
+            grads = [s.grad.float() * grad_scale for s in segs]
+            steps = [torch.tensor(float(step - 1)) for _ in segs]  # adam increments first
+            adam([s.main for s in segs], grads, [s.state["exp_avg"] for s in segs],
+                 [s.state["exp_avg_sq"] for s in segs], [], steps,
+                 fused=segs[0].main.device.type in ("cpu", "cuda"),
+                 decoupled_weight_decay=self.adam_w_mode, amsgrad=False, beta1=self.beta1,
+                 beta2=self.beta2, lr=lr, weight_decay=wd, eps=self.eps, maximize=False)
+            for s in segs:
+                if s.model_out is not None:
+                    s.model_out.copy_(s.main)
+
+
 class SGDRule:
     """SGD with momentum and L2 weight decay (torch.optim.SGD semantics)."""
 
@@ -162,6 +192,10 @@ class LambRule:
 
 
 def build_rule(opt_config, ps):
+    """The update rule for ``--optimizer``; the table of Adam variants is in the README."""
+    if opt_config.optimizer == "adam" and opt_config.cpu_torch_adam:
+        return TorchAdamRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
+                             opt_config.adam_w_mode)
     if opt_config.optimizer == "adam":
         return AdamRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
                         opt_config.adam_w_mode,

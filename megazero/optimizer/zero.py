@@ -115,13 +115,24 @@ class ZeroOptimizer:
         self.grad_partition = None
         if self.stage >= 2:
             self.grad_partition = torch.zeros(part, dtype=self.dtype, device=self.device)
-        # fp32 main copy: for fp32 models the owned chunks of the parameter storage themselves.
+        # fp32 main copy: for fp32 models the owned chunks of the parameter storage themselves;
+        # with --cpu-offload a separate copy in (pinned, with CUDA) host memory.
+        self.offload = self.config.cpu_offload
+        host = torch.device("cpu") if self.offload else self.device
+        pin = self.offload and self.device.type == "cuda"
         self.main_chunks = []
         for bucket in lay.buckets:
             chunk = self._owned_model_chunk(bucket)
-            self.main_chunks.append(chunk.float().clone() if self.low_precision else chunk)
-        self.state = {name: torch.zeros(part, dtype=torch.float32, device=self.device)
+            if self.offload:
+                main = torch.empty(chunk.numel(), dtype=torch.float32, pin_memory=pin)
+                main.copy_(chunk)
+            else:
+                main = chunk.float().clone() if self.low_precision else chunk
+            self.main_chunks.append(main)
+        self.state = {name: torch.zeros(part, dtype=torch.float32, device=host, pin_memory=pin)
                       for name in self.rule.state_names}
+        self.grad_host = torch.zeros(part, dtype=torch.float32, pin_memory=pin) \
+            if self.offload else None
         self.param_keys = {name: i for i, name in enumerate(lay.ranges)}
         self._views = self._segment_views()
         self._staging = {}
@@ -165,11 +176,12 @@ class ZeroOptimizer:
             main = self.main_chunks[seg.bucket][seg.chunk_offset:seg.chunk_offset + seg.numel]
             model = self._owned_model_chunk(self.layout.buckets[seg.bucket])
             out = model[seg.chunk_offset:seg.chunk_offset + seg.numel] \
-                if self.low_precision else None
+                if self.low_precision and not self.offload else None
             wd = 0.0 if no_weight_decay(seg.name, seg.param) else self.config.weight_decay
             state = {k: v[seg.offset:seg.offset + seg.numel] for k, v in self.state.items()}
-            views.append(SegmentView(main, self._owned_grad(seg), out, wd, state,
-                                     self.param_keys[seg.name]))
+            grad = self.grad_host[seg.offset:seg.offset + seg.numel] if self.offload \
+                else self._owned_grad(seg)
+            views.append(SegmentView(main, grad, out, wd, state, self.param_keys[seg.name]))
         return views
 
     # ---- gradient accumulation and reduction ---------------------------------------------
@@ -298,8 +310,8 @@ class ZeroOptimizer:
 
     def grad_norm_sq(self) -> float:
         """Sum of squares of the reduced (still scaled) gradients, over the whole model."""
-        grads = [v.grad for v, s in zip(self._views, self.layout.segments)
-                 if counted_in_norm(s.param, self.ps) and v.grad.numel() > 0]
+        grads = [g for s in self.layout.segments
+                 if counted_in_norm(s.param, self.ps) and (g := self._owned_grad(s)).numel() > 0]
         local = torch.zeros(1, dtype=torch.float64)
         if grads:
             norms = torch._foreach_norm([g.float() for g in grads]) if self.low_precision \
@@ -330,11 +342,34 @@ class ZeroOptimizer:
         kwargs = {}
         if isinstance(self.rule, LambRule):
             kwargs = self._lamb_kwargs()
+        if self.offload:
+            self._grads_to_host()
         self.rule.apply(self._views, step=self.step_count, lr=lr, grad_scale=coeff / divisor,
                         **kwargs)
+        if self.offload:
+            self._params_from_host()
         if self.shard:
             self._all_gather_params()
         return True, grad_norm, 0
+
+    def _grads_to_host(self):
+        """--cpu-offload: this rank's reduced gradients (model dtype) -> fp32 host buffer."""
+        for bucket, (o0, o1) in zip(self.layout.buckets, self.part_offsets):
+            if self.stage >= 2:
+                src = self.grad_partition[o0:o1]
+            else:
+                c0, c1 = self.layout.owned_chunk(bucket)
+                src = self.grad_buffer[c0:c1]
+            self.grad_host[o0:o1].copy_(src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _params_from_host(self):
+        """--cpu-offload: updated fp32 main values -> the model's parameters (its dtype)."""
+        for bucket, main in zip(self.layout.buckets, self.main_chunks):
+            self._owned_model_chunk(bucket).copy_(main, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _lamb_kwargs(self):
         flags = torch.zeros(len(self.param_keys), dtype=torch.bool)
@@ -360,11 +395,17 @@ class ZeroOptimizer:
     # ---- reports and checkpoints ----------------------------------------------------------
     def memory_report(self) -> dict:
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        main = 0 if not self.low_precision else sum(nbytes(m) for m in self.main_chunks)
-        return {"params": nbytes(self.param_buffer),
-                "grads": nbytes(self.grad_buffer) + nbytes(self.grad_partition),
-                "main_params": main,
-                "optimizer_states": sum(nbytes(t) for t in self.state.values())}
+        main = sum(nbytes(m) for m in self.main_chunks) \
+            if self.low_precision or self.offload else 0
+        states = sum(nbytes(t) for t in self.state.values())
+        report = {"params": nbytes(self.param_buffer),
+                  "grads": nbytes(self.grad_buffer) + nbytes(self.grad_partition),
+                  "main_params": 0 if self.offload else main,
+                  "optimizer_states": 0 if self.offload else states}
+        if self.offload:  # host memory, off the accelerator
+            report.update(host_main_params=main, host_optimizer_states=states,
+                          host_grads=nbytes(self.grad_host))
+        return report
 
     def sharded_state_dict(self) -> dict:
         """This rank's optimizer state as per-parameter fragments (layout-independent)."""
@@ -394,19 +435,20 @@ class ZeroOptimizer:
                 view.state[k].copy_(values[k])
             if view.model_out is not None:
                 view.model_out.copy_(view.main)
+        if self.offload:
+            self._params_from_host()
         if self.shard:
             self._all_gather_params()
 
     def reload_model_params(self) -> None:
         """Refresh fp32 main values from the (just loaded) model parameters."""
+        if self.offload:
+            for bucket, main in zip(self.layout.buckets, self.main_chunks):
+                main.copy_(self._owned_model_chunk(bucket))
+            return
         for view in self._views:
             if view.model_out is not None:
                 view.main.copy_(view.model_out)
-
-    def load_model_only(self, state: dict) -> None:
-        """--no-load-optim / --finetune for stages 0-2: the model was loaded from the model
-        file; refresh the main copy from it."""
-        self.reload_model_params()
 
 
 def _find_fragment(frags, seg):
