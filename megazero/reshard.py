@@ -56,3 +56,103 @@ def cut(full: torch.Tensor, shard: ShardInfo, local_shape) -> torch.Tensor:
     if length:
         out.narrow(shard.dim, 0, length).copy_(full.narrow(shard.dim, shard.start, length))
     return out
+
+
+# ---- loading a checkpoint saved at another layout -------------------------------------------
+
+def _rederive_rng(config, ps, iteration: int, tracker) -> None:
+    """Fresh, deterministic RNG streams for a layout the checkpoint has no states for:
+    seeded from (--seed, iteration, pp rank), like a new run (model-parallel stream
+    ``+ 2718 + tp_rank``)."""
+    import random
+
+    import numpy as np
+
+    from megazero.tensor_parallel.random import model_parallel_manual_seed
+
+    seed = config.train.seed + 1_000_003 * (iteration + 1) + 100 * ps.pp_rank
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    model_parallel_manual_seed(seed, ps.tp_rank, tracker)
+
+
+def load_resharded(root: str, iteration, saved_layout: dict, *, model_chunks, optimizer,
+                   lr_scheduler, config, ps, tracker=None) -> tuple[int, int]:
+    """Load checkpoint ``root``/``iteration`` saved at ``saved_layout`` into this rank's model
+    and optimizer at the current layout; returns (iteration, consumed samples).
+
+    Each rank reads (memory-mapped) only the cells and fragments overlapping its own slices:
+    model values, then fp32 main values and optimizer states for its ZeRO partition. RNG
+    states carry over when tp, pp and dp sizes are unchanged, else they are re-derived (see
+    ``_rederive_rng``): with dropout off the run continues exactly.
+    """
+    from megazero import comm
+    from megazero.checkpoint_reader import CheckpointReader
+    from megazero.checkpointing import CheckpointError, check_model_shape, set_rng_state
+
+    reader = CheckpointReader(root, iteration)
+    check_model_shape(reader.args, config, reader.base)
+    tcfg = config.train
+    finetune = tcfg.finetune or iteration == "release"
+    load_optim = not (finetune or tcfg.no_load_optim) and optimizer is not None
+    params = {}
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            params[getattr(p, "mz_name", name)] = p
+
+    def region(name, kind, a=0, b=None):
+        p = params[name]
+        shape = tuple(getattr(p, "mz_local_shape", p.shape))
+        return reader.read_flat(name, kind, p.mz_shard, shape, a, b)
+
+    zero3 = config.optimizer.zero_stage == 3
+    if not zero3:
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(region(name, "model").view(p.shape).to(p.dtype))
+    opt_meta = reader.optimizer_meta()
+    if load_optim:
+        if opt_meta is None:
+            raise CheckpointError(f"checkpoint {reader.base} holds no optimizer state "
+                                  "(saved with --no-save-optim); use --no-load-optim")
+        names = tuple(getattr(optimizer.rule, "state_names", ()))
+        missing = [k for k in names if k not in opt_meta["state_names"]]
+        if missing:
+            raise CheckpointError(f"checkpoint {reader.base} was saved by an optimizer with "
+                                  f"states {opt_meta['state_names']}; --optimizer "
+                                  f"{config.optimizer.optimizer} needs {list(names)}")
+        kinds = ["main", *names] + (["model"] if zero3 else [])
+        state = {"step": opt_meta["step"], "scaler": opt_meta["scaler"], "fragments": {}}
+        reader_fn = lambda n, a, b: {k: region(n, k, a, b) for k in kinds}  # noqa: E731
+        optimizer.load_sharded_state_dict(state, fragment_reader=reader_fn)
+        sched = reader.model_file(0, 0).get("opt_param_scheduler")
+        if lr_scheduler is not None and sched is not None:
+            lr_scheduler.load_state_dict(sched)
+    elif optimizer is not None:
+        if zero3:
+            optimizer.load_sharded_state_dict(
+                {"fragments": {}}, load_optimizer=False,
+                fragment_reader=lambda n, a, b: {"model": region(n, "model", a, b)})
+        else:
+            optimizer.reload_model_params()
+    first = reader.model_file(0, 0)
+    same_grid = all(saved_layout.get(k) == v for k, v in
+                    (("tp", ps.tp_size), ("pp", ps.pp_size), ("dp", ps.dp_size)))
+    if not (finetune or tcfg.no_load_rng):
+        if same_grid and "rng_state" in first:
+            rng = reader.model_file(ps.tp_rank, ps.pp_rank)["rng_state"]
+            set_rng_state(rng[ps.dp_rank] if len(rng) > ps.dp_rank else rng[0], tracker)
+        else:
+            _rederive_rng(config, ps, int(first["iteration"]), tracker)
+    it = 0 if finetune else int(first["iteration"])
+    consumed = 0 if finetune else int(first.get("consumed_train_samples", 0))
+    if ps.rank == 0:
+        import logging
+
+        logging.getLogger(__name__).info(
+            "loaded checkpoint %s (iteration %s) saved at tp=%s pp=%s dp=%s zero=%s into "
+            "tp=%d pp=%d dp=%d zero=%d", root, it, saved_layout.get("tp"),
+            saved_layout.get("pp"), saved_layout.get("dp"), saved_layout.get("zero_stage"),
+            ps.tp_size, ps.pp_size, ps.dp_size, config.optimizer.zero_stage)
+    comm.barrier(ps.world_group)
+    return it, consumed

@@ -44,6 +44,12 @@ class P2P:
                                                            recv_next)
         else:
             prev_shape = next_shape = self.shape
+            for t in (send_next, send_prev):
+                if t is not None and tuple(t.shape) != self.shape:
+                    raise RuntimeError(
+                        f"pipeline stage {ps.pp_rank} sends a tensor of shape {tuple(t.shape)}"
+                        f" but the schedule's fixed shape is {self.shape}: check that only "
+                        "the last stage computes the loss (model.post_process)")
         ops, from_prev, from_next = [], None, None
         # activations (forward direction) first ...
         if send_next is not None:

@@ -57,7 +57,10 @@ def forward_step(ctx: ScheduleContext, model, data_iterator, microbatch: int, ch
         if hasattr(model, "set_input_tensor"):
             model.set_input_tensor(input_tensor)
         output, loss_func = ctx.forward_step_func(data_iterator, model)
-        if getattr(model, "post_process", True):
+        last = getattr(model, "post_process", None)
+        if last is None:  # a model without the attribute: the last chunk of the last stage
+            last = ctx.ps.is_last_stage and chunk == len(ctx.model) - 1
+        if last:
             loss, reduced = loss_func(output)
             ctx.losses.append(reduced)
             output = loss / ctx.num_microbatches

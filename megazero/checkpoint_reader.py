@@ -1,0 +1,205 @@
+"""Random access to any region of any tensor of a saved checkpoint, whatever its layout.
+
+A checkpoint is a grid of (tp, pp) cells: each has a model file (local tensors and their
+``param_meta``: full shape, partitioned dim, held slice) and, with ZeRO >= 1, one shard per dp
+rank holding per-parameter fragments (flat ranges of the cell's local tensor: fp32 main values,
+optimizer states, and under ZeRO-3 the model values). ``read_flat`` returns the values of a
+flat range of a tensor laid out for *another* layout (its ``ShardInfo`` and local shape): it
+maps each position to the logical full tensor, finds the saved cell and fragment holding it
+and copies just that. Files are memory-mapped (``torch.load(mmap=True, weights_only=True)``),
+so a rank touches only the pages of its own slices and never builds the full model. No
+process group is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import numpy as np
+import torch
+
+from megazero.checkpointing import (
+    MODEL_FILE,
+    CheckpointError,
+    iteration_dir,
+    mp_dir_name,
+    read_tracker,
+    zero_shard_name,
+)
+from megazero.reshard import assemble
+from megazero.tensor_parallel.initializers import ShardInfo, _global_flat_index
+
+
+def mmap_load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated "
+                              f"({type(exc).__name__}: {exc})") from exc
+
+
+class CheckpointReader:
+    """Lazy, memory-mapped access to the files of one saved iteration."""
+
+    def __init__(self, root: str, iteration: int | str | None = None):
+        self.root = root
+        if iteration is None:
+            iteration = read_tracker(root)
+            if iteration is None:
+                raise CheckpointError(f"{root} has no latest_checkpointed_iteration.txt")
+        self.iteration = iteration
+        self.base = iteration_dir(root, iteration)
+        pp_probe = 1 if os.path.isdir(os.path.join(self.base, "mp_rank_00")) else 2
+        first = mmap_load(os.path.join(self.base, mp_dir_name(0, 0, pp_probe), MODEL_FILE))
+        self.layout, self.args = first["layout"], first["args"]
+        self.tp, self.pp, self.dp = self.layout["tp"], self.layout["pp"], self.layout["dp"]
+        self.stage = self.layout["zero_stage"]
+        self.model_file = cache(self._model_file)
+        self.shard = cache(self._shard)
+        self._where = {}
+
+    def cell_dir(self, tp_rank: int, pp_rank: int) -> str:
+        return os.path.join(self.base, mp_dir_name(tp_rank, pp_rank, self.pp))
+
+    def _model_file(self, tp_rank: int, pp_rank: int) -> dict:
+        return mmap_load(os.path.join(self.cell_dir(tp_rank, pp_rank), MODEL_FILE))
+
+    def _shard(self, tp_rank: int, pp_rank: int, dp_rank: int) -> dict:
+        return mmap_load(os.path.join(self.cell_dir(tp_rank, pp_rank), zero_shard_name(dp_rank)))
+
+    # ---- metadata --------------------------------------------------------------------------
+    def param_names(self) -> list[str]:
+        """Every logical parameter once (the tied embedding from the first stage)."""
+        names = {}
+        for pp_rank in range(self.pp):
+            for name in self.model_file(0, pp_rank)["param_meta"]:
+                names.setdefault(name, pp_rank)
+        return list(names)
+
+    def stage_of(self, name: str) -> int:
+        if name not in self._where:
+            for pp_rank in range(self.pp):
+                if name in self.model_file(0, pp_rank)["param_meta"]:
+                    self._where[name] = pp_rank
+                    break
+            else:
+                raise CheckpointError(f"checkpoint {self.base} has no tensor {name!r}")
+        return self._where[name]
+
+    def meta(self, name: str, tp_rank: int = 0) -> dict:
+        return self.model_file(tp_rank, self.stage_of(name))["param_meta"][name]
+
+    def optimizer_meta(self) -> dict:
+        """step, scaler and state names of the saved optimizer (None if not saved)."""
+        src = self.model_file(0, 0).get("optimizer") if self.stage == 0 else None
+        if self.stage > 0:
+            try:
+                src = self.shard(0, 0, 0)
+            except CheckpointError:
+                return None
+        if src is None or not src.get("has_optimizer", True):
+            return None
+        return {"step": src["step"], "scaler": src["scaler"],
+                "state_names": src.get("state_names", ["exp_avg", "exp_avg_sq"])}
+
+    def has_optimizer(self) -> bool:
+        return self.optimizer_meta() is not None
+
+    # ---- values ----------------------------------------------------------------------------
+    def _fragments(self, name: str, tp_rank: int, pp_rank: int) -> list[dict]:
+        if self.stage == 0:
+            opt = self.model_file(tp_rank, pp_rank).get("optimizer")
+            return [] if opt is None else opt["fragments"].get(name, [])
+        out = []
+        for dp_rank in range(self.dp):
+            out += self.shard(tp_rank, pp_rank, dp_rank)["fragments"].get(name, [])
+        return out
+
+    def _saved_values(self, name, kind, tp_rank, flat_idx: torch.Tensor) -> torch.Tensor:
+        """Values at saved-local flat positions ``flat_idx`` of cell (tp_rank, stage of name)."""
+        pp_rank = self.stage_of(name)
+        if kind == "model" and self.stage < 3:
+            state = self.model_file(tp_rank, pp_rank)
+            chunk = self.meta(name, tp_rank).get("chunk", 0)
+            key = "model" if "model" in state else f"model{chunk}"
+            return state[key][name].reshape(-1)[flat_idx]
+        out, filled = None, 0
+        for entry in self._fragments(name, tp_rank, pp_rank):
+            if kind not in entry:
+                continue
+            lo, hi = entry["param_start"], entry["param_end"]
+            mask = (flat_idx >= lo) & (flat_idx < hi)
+            n = int(mask.sum())
+            if n == 0:
+                continue
+            values = entry[kind]
+            if out is None:
+                out = torch.zeros(flat_idx.numel(), dtype=values.dtype)
+            out[mask] = values[flat_idx[mask] - lo]
+            filled += n
+        if out is None or filled != flat_idx.numel():
+            raise CheckpointError(f"checkpoint {self.base}: no saved {kind!r} values for "
+                                  f"{filled and 'all of ' or ''}{name} (saved with "
+                                  "--no-save-optim, or another optimizer?)")
+        return out
+
+    def read_flat(self, name: str, kind: str, shard: ShardInfo, local_shape, start: int = 0,
+                  end: int | None = None) -> torch.Tensor:
+        """Values of flat positions [start, end) of ``name``'s local tensor in a layout
+        described by ``shard`` / ``local_shape`` (padding positions read as zero)."""
+        numel = int(np.prod(local_shape, dtype=np.int64))
+        end = numel if end is None else end
+        positions = np.arange(start, end, dtype=np.int64)
+        gidx = torch.from_numpy(_global_flat_index(local_shape, shard, positions))
+        valid = gidx >= 0
+        meta0 = self.meta(name)
+        full_shape = tuple(meta0["full_shape"])
+        if tuple(shard.full_shape) != full_shape:
+            raise CheckpointError(f"{name}: checkpoint holds full shape {list(full_shape)}, "
+                                  f"the current model {list(shard.full_shape)}")
+        out = None
+        want = gidx[valid]
+        dim = meta0.get("dim")
+        cells = [0] if dim is None else range(self.tp)
+        coords = torch.stack(torch.unravel_index(want, full_shape)) if want.numel() else None
+        where = valid.nonzero().flatten()
+        for t in cells:
+            meta = self.meta(name, t)
+            if dim is None:
+                hit, local = torch.ones_like(want, dtype=torch.bool), want
+            else:
+                s, length = meta["start"], meta["length"]
+                c = coords[dim]
+                hit = (c >= s) & (c < s + length)
+                if not bool(hit.any()):
+                    continue
+                lc = coords[:, hit].clone()
+                lc[dim] -= s
+                local = _ravel(lc, meta["local_shape"])
+            values = self._saved_values(name, kind, t, local)
+            if out is None:
+                out = torch.zeros(end - start, dtype=values.dtype)
+            out[where[hit]] = values
+        if out is None:  # nothing but padding requested
+            out = torch.zeros(end - start, dtype=torch.float32)
+        return out
+
+    def full_tensor(self, name: str, kind: str = "main") -> torch.Tensor:
+        """The full logical tensor (padding removed)."""
+        meta = self.meta(name)
+        shard = ShardInfo(tuple(meta["full_shape"]), None, 0, None)
+        return self.read_flat(name, kind, shard, tuple(meta["full_shape"])) \
+            .view(tuple(meta["full_shape"]))
+
+
+def _ravel(coords: torch.Tensor, shape) -> torch.Tensor:
+    flat = torch.zeros(coords.shape[1], dtype=torch.int64)
+    for d, size in enumerate(shape):
+        flat = flat * int(size) + coords[d]
+    return flat
+
+
+__all__ = ["CheckpointReader", "mmap_load", "assemble"]
