@@ -154,6 +154,9 @@ def _add_training_args(parser):
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-timers", "--timing-log-level", dest="log_timers", nargs="?",
                    const=True, default=False, help="print named timers at each log line")
+    g.add_argument("--log-memory", action="store_true",
+                   help="log each rank's bytes of params, grads, main params and optimizer "
+                        "states after the first iteration")
     g.add_argument("--pipeline-trace", default=None,
                    help="record each micro-batch's forward/backward times to this file prefix")
 

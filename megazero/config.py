@@ -268,6 +268,7 @@ class TrainConfig:
     exit_duration_in_mins: float | None = None
     tensorboard_dir: str | None = None
     log_timers: bool = False
+    log_memory: bool = False
     pipeline_trace: str | None = None
     skip_train: bool = False
 

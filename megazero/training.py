@@ -118,6 +118,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                            "the end of training for test data")
     if config.train.save and state.iteration > 0 and not _saved_at(state, config):
         save(config, model, optimizer, lr_scheduler, ps, state, tracker)
+    history.pop("tensorboard", None)
     history.update(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples,
                    skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
                    model=model, optimizer=optimizer, parallel_state=ps)
@@ -211,6 +212,9 @@ def _train(forward_step_func, model, optimizer, lr_scheduler, config, ps, tracke
                                            config, ps, timers, trace)
         state.iteration += 1
         state.consumed_train_samples += gbs
+        if tcfg.log_memory and not getattr(state, "memory_logged", False):
+            _log_memory(optimizer, ps)
+            state.memory_logged = True
         lr_scheduler.step(gbs)
         _accumulate(state, losses, ok, grad_norm)
         if tcfg.log_interval and state.iteration % tcfg.log_interval == 0:
@@ -266,6 +270,34 @@ def _accumulate(state: TrainState, losses: dict, ok: bool, grad_norm):
         state.loss_iters += 1
 
 
+class _TensorBoard:
+    """Scalars to ``--tensorboard-dir`` from the logging rank, when tensorboard is installed."""
+
+    def __init__(self, path):
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=path, max_queue=1000)
+        except ImportError:
+            logger.warning("--tensorboard-dir given but tensorboard is not installed "
+                           "(pip install tensorboard); not writing events")
+
+    def add(self, values: dict, step: int):
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+
+def _log_memory(optimizer, ps):
+    """Per-rank bytes of model states (ZeRO's accounting), once, from every rank at INFO."""
+    report = optimizer.memory_report()
+    mb = {k: round(v / 2**20, 2) for k, v in report.items()}
+    logging.getLogger("megazero.memory").warning(
+        "[rank %d] memory (MB) of model states after the first iteration: %s", ps.rank, mb)
+
+
 def _log(config, ps, state, optimizer, lr_scheduler, elapsed, iters, timers, history):
     tcfg = config.train
     n = max(state.loss_iters, 1)
@@ -290,6 +322,15 @@ def _log(config, ps, state, optimizer, lr_scheduler, elapsed, iters, timers, his
         logger.info(line)
         if tcfg.log_timers:
             logger.info(timers.log_string(normalizer=tcfg.log_interval))
+        if tcfg.tensorboard_dir:
+            if "tensorboard" not in history:
+                history["tensorboard"] = _TensorBoard(tcfg.tensorboard_dir)
+            scalars = {**{f"train/{k}": v for k, v in avg.items()},
+                       "train/learning-rate": lr_scheduler.get_lr(),
+                       "train/loss-scale": optimizer.loss_scale}
+            if state.last_grad_norm is not None and math.isfinite(state.last_grad_norm):
+                scalars["train/grad-norm"] = state.last_grad_norm
+            history["tensorboard"].add(scalars, state.iteration)
     else:
         timers.log_string(reset=True)
     for k, v in avg.items():
