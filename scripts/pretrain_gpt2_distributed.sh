@@ -30,6 +30,9 @@ SEQ_LEN=${SEQ_LEN:-256}
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-checkpoints/gpt2_small}
 TRAIN_ITERS=${TRAIN_ITERS:-200}
 SAVE_INTERVAL=${SAVE_INTERVAL:-50}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+EVAL_INTERVAL=${EVAL_INTERVAL:-100}
+EVAL_ITERS=${EVAL_ITERS:-5}
 PYTHON=${PYTHON:-python}
 
 DISTRIBUTED_ARGS=(
@@ -70,9 +73,9 @@ DATA_ARGS=(
 
 OUTPUT_ARGS=(
     --train-iters "$TRAIN_ITERS"
-    --log-interval 10
-    --eval-interval 100
-    --eval-iters 5
+    --log-interval "$LOG_INTERVAL"
+    --eval-interval "$EVAL_INTERVAL"
+    --eval-iters "$EVAL_ITERS"
     --save "$CHECKPOINT_DIR"
     --load "$CHECKPOINT_DIR"
     --save-interval "$SAVE_INTERVAL"

@@ -1,0 +1,58 @@
+"""The launch scripts, end to end: default corpus, Megatron log line, save, resume at another
+layout (the README's walkthrough), and the ZeRO-2 engine example under torchrun."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--lr-warmup-iters", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd, env_extra, timeout=600):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **env_extra}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def iterations_logged(out):
+    return [int(line.split("iteration")[1].split("/")[0]) for line in out.splitlines()
+            if line.startswith(" iteration") and " lm loss: " in line]
+
+
+def test_distributed_tp2_then_single_process_resume(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = {"CHECKPOINT_DIR": str(ckpt), "SAVE_INTERVAL": "2", "LOG_INTERVAL": "1",
+           "EVAL_ITERS": "0"}
+    out = run(["bash", "scripts/pretrain_gpt2_distributed.sh", *SMALL],
+              {**env, "NPROC_PER_NODE": "2", "TP": "2", "TRAIN_ITERS": "2",
+               "MASTER_PORT": str(free_port())})
+    assert iterations_logged(out) == [1, 2]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (ckpt / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt").exists()
+    # resume the tp=2 checkpoint in one process (tp=1)
+    out = run(["bash", "scripts/pretrain_gpt2.sh", *SMALL], {**env, "TRAIN_ITERS": "4"})
+    assert "successfully loaded checkpoint" in out or "loaded checkpoint" in out
+    assert iterations_logged(out) == [3, 4]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+def test_zero2_mlp_example_under_torchrun():
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "scripts/train_mlp_zero2.py", "--steps",
+               "20"], {})
+    assert "step   20 | loss" in out
+    assert out.count("bytes of model states") == 2
