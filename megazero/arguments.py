@@ -172,6 +172,27 @@ def _add_training_args(parser):
     g.add_argument("--use-checkpoint-args", action="store_true")
 
 
+def _add_compat_args(parser):
+    """Megatron flags that Megatron scripts pass and megazero does not need: accepted so the
+    scripts run unchanged, with what megazero does instead in their help."""
+    g = parser.add_argument_group("Megatron compatibility (accepted, no effect)")
+    g.add_argument("--data-impl", choices=["mmap", "infer"], default="mmap",
+                   help="megazero reads Megatron's mmap format only")
+    g.add_argument("--DDP-impl", dest="ddp_impl", choices=["local", "torch"], default="local",
+                   help="megazero's data parallelism is its own ZeRO-0..3 optimizer")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialisation is always layout-invariant (drawn per full tensor)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="attention always goes through scaled_dot_product_attention")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="the loss and attention softmax already accumulate in fp32")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_true")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute"],
+                   default="learned_absolute", help="GPT-2 uses learned absolute positions")
+    g.add_argument("--normalization", choices=["LayerNorm"], default="LayerNorm")
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="megazero GPT-2 pretraining",
                                      allow_abbrev=False)
@@ -180,6 +201,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_optimizer_args(parser)
     _add_data_args(parser)
     _add_training_args(parser)
+    _add_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
