@@ -116,18 +116,23 @@ class Ring:
             self._exchange(chunks[send_c], chunks[recv_c], tag + k)
 
 
-def _median_time(fn, reps=3):
+def _median_time(fn, group, reps=5):
+    """Median over ``reps`` of the slowest rank's time (barrier before each call)."""
     times = []
     for _ in range(reps):
+        dist.barrier(group=group)
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        elapsed = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        times.append(float(elapsed))
     return statistics.median(times)
 
 
 def choose(group, native_rs, native_ag, numel: int = 1 << 22, policy: str | None = None) -> dict:
-    """Measure native vs ring reduce-scatter and all-gather on ``group`` (a ~16 MiB fp32
-    buffer), decide on group rank 0, and broadcast: ``{"reduce_scatter": bool, ...}`` where
+    """Measure native vs ring reduce-scatter and all-gather on ``group`` (a 16 MiB fp32
+    buffer; median of 5 of the slowest rank's times, after a warm-up), decide on rank 0 and
+    broadcast: ``{"reduce_scatter": bool, ...}`` where
     True means use the ring. ``policy`` (default ``$MEGAZERO_RING``) "1"/"ring" or
     "0"/"native" forces the choice without measuring."""
     policy = policy if policy is not None else os.environ.get("MEGAZERO_RING", "auto")
@@ -139,12 +144,15 @@ def choose(group, native_rs, native_ag, numel: int = 1 << 22, policy: str | None
     numel -= numel % n
     big = torch.ones(numel)
     part = torch.ones(numel // n)
-    t = {
-        "native_rs": _median_time(lambda: native_rs(part, big, group)),
-        "ring_rs": _median_time(lambda: ring.reduce_scatter(part, big, overwrite_input=True)),
-        "native_ag": _median_time(lambda: native_ag(big, part, group)),
-        "ring_ag": _median_time(lambda: ring.all_gather(big, part)),
+    contenders = {
+        "native_rs": lambda: native_rs(part, big, group),
+        "ring_rs": lambda: ring.reduce_scatter(part, big, overwrite_input=True),
+        "native_ag": lambda: native_ag(big, part, group),
+        "ring_ag": lambda: ring.all_gather(big, part),
     }
+    for fn in contenders.values():  # warm-up: connections, pages of the buffers
+        fn()
+    t = {name: _median_time(fn, group) for name, fn in contenders.items()}
     decision = torch.tensor([float(t["ring_rs"] < t["native_rs"]),
                              float(t["ring_ag"] < t["native_ag"])])
     dist.broadcast(decision, ring.ranks[0], group=group)

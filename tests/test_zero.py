@@ -193,3 +193,43 @@ def test_ring_collectives_are_exact(world):
 
     for numel, overwrite in ((world * 5, False), (world * 1000, True)):
         assert all(run_distributed(_ring_case, world, numel, overwrite))
+
+
+def _zero3_frees_gathered_buffers():
+    import gc
+    import weakref
+
+    from megazero.config import OptimizerConfig
+    from megazero.engine import initialize
+    from megazero.parallel_state import ParallelState
+
+    ps = ParallelState.build()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+    engine = initialize(model, OptimizerConfig(zero_stage=3, zero_prefetch=False), ps)
+    opt = engine.optimizer
+    buffers = []
+    original = opt._materialize_unit
+
+    def spy(unit, fulls):
+        buffers.extend(weakref.ref(f) for f in fulls)
+        return original(unit, fulls)
+
+    opt._materialize_unit = spy
+    x = torch.randn(3, 64, requires_grad=True)
+    loss = engine(x).pow(2).sum()
+    gc.collect()
+    # autograd saved views of the weights, yet no gathered buffer outlives its layer
+    alive_after_forward = sum(r() is not None for r in buffers)
+    engine.backward(loss)
+    engine.step()
+    gc.collect()
+    return alive_after_forward, len(buffers), sum(r() is not None for r in buffers)
+
+
+def test_zero3_saved_activations_do_not_pin_gathered_parameters():
+    from tests.dist_helper import run_distributed
+
+    for alive_fwd, gathered, alive_end in run_distributed(_zero3_frees_gathered_buffers, 2):
+        assert gathered == 8  # 4 layers gathered in forward, again in backward
+        assert alive_fwd == 0 and alive_end == 0

@@ -139,7 +139,9 @@ class GPTModel(nn.Module):
         """Units ZeRO-3 gathers as one: (module path, modules that need its parameters)."""
         units = []
         if self.embedding is not None:
-            users = [self.embedding] + ([self.output_layer] if self.post_process else [])
+            # modules that run and need the word embedding on this stage
+            users = ([self.embedding] if self.pre_process else []) \
+                + ([self.output_layer] if self.post_process else [])
             units.append(("embedding", users))
         units += [(f"layers.{i}", [layer]) for i, layer in self.layers.items()]
         if self.final_layernorm is not None:

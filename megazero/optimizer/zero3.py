@@ -53,6 +53,20 @@ class Unit:
     gathered: bool = False
     pins: int = 0
     reduced: set = field(default_factory=set)
+    fulls: dict = field(default_factory=dict)  # bucket -> gathered full buffer
+    forward_uses: int = 0  # users that ran their forward since the unit was gathered
+
+
+@dataclass
+class _PackedView:
+    """A saved tensor that was a view of a gathered parameter buffer."""
+
+    unit: Unit
+    bucket: int
+    shape: tuple
+    stride: tuple
+    offset: int
+    requires_grad: bool
 
 
 class ZeroOrderError(RuntimeError):
@@ -104,6 +118,8 @@ class Zero3Optimizer(ZeroOptimizer):
         self.check_order = os.environ.get("MEGAZERO_ZERO3_CHECK_ORDER", "1") != "0"
         self._seq = 0
         self._inflight: dict[int, tuple] = {}
+        self._storages: dict[int, tuple] = {}  # data_ptr of gathered buffers -> (unit, bucket)
+        self._hook_stack: list = []
         self.live_bytes = self.peak_live_bytes = 0
         device = ps.device
         _replace_meta_params(model_chunks, device)
@@ -292,7 +308,10 @@ class Zero3Optimizer(ZeroOptimizer):
             for pr in bucket.params:
                 view = full[pr.start - bucket.start:pr.end - bucket.start]
                 self._set_data(pr.param, view.view(pr.param.mz_local_shape))
+            unit.fulls[b] = full
+            self._storages[full.untyped_storage().data_ptr()] = (unit, b)
         unit.gathered = True
+        unit.forward_uses = 0
 
     def _release(self, unit: Unit):
         if not unit.gathered or unit.pins > 0 or self.dp_size == 1:
@@ -302,6 +321,9 @@ class Zero3Optimizer(ZeroOptimizer):
             for pr in self.layout.buckets[b].params:
                 self._set_data(pr.param, empty)
             self._account(-self.layout.buckets[b].numel)
+            full = unit.fulls.pop(b, None)
+            if full is not None:
+                self._storages.pop(full.untyped_storage().data_ptr(), None)
         unit.gathered = False
 
     def _install_module_hooks(self):
@@ -315,9 +337,56 @@ class Zero3Optimizer(ZeroOptimizer):
                 first = i == 0
                 mod.register_forward_pre_hook(
                     lambda m, a, u=unit, f=first: self._fetch(u, +1, prefetch=f))
-                mod.register_forward_hook(lambda m, a, o, u=unit: self._release(u))
+                mod.register_forward_hook(lambda m, a, o, u=unit: self._after_forward(u))
                 mod.register_full_backward_pre_hook(
                     lambda m, g, u=unit, f=first: self._fetch(u, -1, prefetch=f))
+        # Autograd saves views of gathered parameters (F.linear keeps weight.t()); stored as
+        # is they would keep every gathered buffer alive until backward. Saved tensors that
+        # live in a gathered buffer are packed as (unit, bucket, view geometry) instead and
+        # rebuilt from the buffer gathered again before the module's backward.
+        for chunk in self.model_chunks:
+            chunk.register_forward_pre_hook(lambda m, a: self._enter_saved_hooks())
+            chunk.register_forward_hook(lambda m, a, o: self._exit_saved_hooks())
+
+    def _after_forward(self, unit: Unit):
+        """Release after the unit's last user in this forward (the tied embedding is used by
+        the embedding and again by the output layer: keep it, gathering it twice costs more
+        communication than holding it)."""
+        unit.forward_uses += 1
+        if unit.forward_uses >= len(unit.users):
+            self._release(unit)
+
+    def _enter_saved_hooks(self):
+        if self.dp_size == 1 or not torch.is_grad_enabled():
+            self._hook_stack.append(None)
+            return
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        self._hook_stack.append(ctx)
+
+    def _exit_saved_hooks(self):
+        ctx = self._hook_stack.pop() if self._hook_stack else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or t.layout != torch.strided:
+            return t
+        entry = self._storages.get(t.untyped_storage().data_ptr())
+        if entry is None:
+            return t
+        unit, b = entry
+        return _PackedView(unit, b, tuple(t.shape), t.stride(), t.storage_offset(),
+                           t.requires_grad)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _PackedView):
+            return packed
+        unit = packed.unit
+        if not unit.gathered:  # backward reached it before its module's pre-hook: gather
+            self._fetch(unit, -1, prefetch=False)
+        full = unit.fulls[packed.bucket]
+        return full.as_strided(packed.shape, packed.stride, packed.offset)
 
     def _on_bucket_reduced(self, bucket) -> None:
         unit = self._unit_of_bucket.get(bucket.index)
@@ -337,6 +406,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self._drain_prefetch()
         for unit in self.units:
             unit.reduced.clear()
+            unit.forward_uses = 0
             self._release(unit)
 
     @torch.no_grad()

@@ -84,20 +84,35 @@ def init_key(seed: int, name: str) -> int:
 
 
 def _splitmix(counter: np.ndarray, key: int) -> np.ndarray:
+    """splitmix64 of ``key + counter * golden`` (in place on a fresh array)."""
     with np.errstate(over="ignore"):
-        z = np.uint64(key) + counter * _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+        z = counter * _GOLDEN
+        z += np.uint64(key)
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+        return z
 
 
 def normal_at(key: int, flat_index: np.ndarray) -> np.ndarray:
     """Standard normals (float64) for the given flat indices of the keyed full tensor."""
-    idx = flat_index.astype(np.uint64)
+    idx2 = flat_index.astype(np.uint64)
+    idx2 *= np.uint64(2)
     scale = 1.0 / 9007199254740992.0  # 2**-53
-    u1 = ((_splitmix(2 * idx, key) >> np.uint64(11)).astype(np.float64) + 0.5) * scale
-    u2 = ((_splitmix(2 * idx + np.uint64(1), key) >> np.uint64(11)).astype(np.float64)) * scale
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    u1 = (_splitmix(idx2, key) >> np.uint64(11)).astype(np.float64)
+    u1 += 0.5
+    u1 *= scale
+    idx2 += np.uint64(1)
+    u2 = (_splitmix(idx2, key) >> np.uint64(11)).astype(np.float64)
+    u2 *= 2.0 * np.pi * scale
+    np.log(u1, out=u1)
+    u1 *= -2.0
+    np.sqrt(u1, out=u1)
+    np.cos(u2, out=u2)
+    u1 *= u2
+    return u1
 
 
 def _global_flat_index(local_shape, shard: ShardInfo, local_flat: np.ndarray | None = None):
@@ -112,6 +127,14 @@ def _global_flat_index(local_shape, shard: ShardInfo, local_flat: np.ndarray | N
         local_flat = np.arange(int(np.prod(local_shape, dtype=np.int64)), dtype=np.int64)
     if ndim == 0:
         return np.zeros_like(local_flat)
+    inner = int(np.prod(full[1:], dtype=np.int64))
+    if shard.dim is None or (shard.dim == 0 and tuple(local_shape[1:]) == tuple(full[1:])):
+        # rows of the full tensor, contiguous: a shift of the flat index (padding after)
+        start = 0 if shard.dim is None else shard.start
+        length = full[0] if shard.dim is None else shard.logical_length()
+        gidx = local_flat + start * inner
+        gidx[local_flat >= length * inner] = -1
+        return gidx
     coords = np.unravel_index(local_flat, local_shape)
     gidx = np.zeros(local_flat.shape, dtype=np.int64)
     valid = np.ones(local_flat.shape, dtype=bool)
@@ -140,9 +163,17 @@ def fill_shard(tensor: torch.Tensor, spec: InitSpec, shard: ShardInfo, key: int)
     return tensor
 
 
+_CHUNK = 1 << 20  # elements drawn at a time: bounds the temporaries (~40 MB)
+
+
 def fill_flat_partition(flat: torch.Tensor, spec: InitSpec, shard: ShardInfo, key: int,
                         local_shape, start: int) -> torch.Tensor:
     """Fill a 1-D slice ``[start, start + flat.numel())`` of a local tensor's flat view."""
+    if spec.kind == "normal" and flat.numel() > _CHUNK:
+        for off in range(0, flat.numel(), _CHUNK):
+            n = min(_CHUNK, flat.numel() - off)
+            fill_flat_partition(flat[off:off + n], spec, shard, key, local_shape, start + off)
+        return flat
     positions = np.arange(start, start + flat.numel(), dtype=np.int64)
     if spec.kind in ("zeros", "ones"):
         with torch.no_grad():
@@ -153,7 +184,8 @@ def fill_flat_partition(flat: torch.Tensor, spec: InitSpec, shard: ShardInfo, ke
                 flat[torch.from_numpy(gidx < 0)] = 0.0
         return flat
     gidx = _global_flat_index(local_shape, shard, positions)
-    values = normal_at(key, np.maximum(gidx, 0)) * spec.std
+    values = normal_at(key, np.maximum(gidx, 0))
+    values *= spec.std
     values[gidx < 0] = 0.0
     with torch.no_grad():
         flat.copy_(torch.from_numpy(values).to(dtype=flat.dtype, device=flat.device))
