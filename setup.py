@@ -55,10 +55,14 @@ def cpu_extensions():
             # Baseline ISA only; AVX2/AVX-512 paths are compiled per function with
             # __attribute__((target(...))) and chosen at run time.
             compile_args.append("-mtune=generic")
+        # headers as dependencies, so editing one rebuilds the extension
+        headers = sorted(str(h.relative_to(ROOT)) for d in (folder, CSRC / "include")
+                         for h in d.rglob("*.h"))
         exts.append(
             Pybind11Extension(
                 f"megazero.ops._{folder.name}",
                 sources,
+                depends=headers,
                 include_dirs=[str(CSRC), str(CSRC / "include")],
                 extra_compile_args=compile_args,
                 extra_link_args=["-fopenmp"],

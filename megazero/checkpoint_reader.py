@@ -120,6 +120,8 @@ class CheckpointReader:
 
     def _saved_values(self, name, kind, tp_rank, flat_idx: torch.Tensor) -> torch.Tensor:
         """Values at saved-local flat positions ``flat_idx`` of cell (tp_rank, stage of name)."""
+        if flat_idx.numel() == 0:
+            return torch.zeros(0)
         pp_rank = self.stage_of(name)
         if kind == "model" and self.stage < 3:
             state = self.model_file(tp_rank, pp_rank)
@@ -152,21 +154,109 @@ class CheckpointReader:
         described by ``shard`` / ``local_shape`` (padding positions read as zero)."""
         numel = int(np.prod(local_shape, dtype=np.int64))
         end = numel if end is None else end
+        meta0 = self.meta(name)
+        if tuple(shard.full_shape) != tuple(meta0["full_shape"]):
+            raise CheckpointError(f"{name}: checkpoint holds full shape "
+                                  f"{list(meta0['full_shape'])}, the current model "
+                                  f"{list(shard.full_shape)}")
+        if len(local_shape) <= 2 and meta0.get("dim") in (None, 0, len(local_shape) - 1) \
+                and shard.dim in (None, meta0.get("dim")):
+            return self._read_rows(name, kind, shard, tuple(local_shape), start, end)
+        return self._read_indexed(name, kind, shard, local_shape, start, end)
+
+    # ---- rows: contiguous copies (the common case: 1-D and 2-D tensors) ------------------
+    def _saved_rows(self, name, kind, tp_rank, row0, row1, cols) -> torch.Tensor:
+        """Rows [row0, row1) of a saved cell's local tensor seen as [rows, cols]."""
+        pp_rank = self.stage_of(name)
+        if kind == "model" and self.stage < 3:
+            state = self.model_file(tp_rank, pp_rank)
+            chunk = self.meta(name, tp_rank).get("chunk", 0)
+            key = "model" if "model" in state else f"model{chunk}"
+            return state[key][name].reshape(-1, cols)[row0:row1]
+        lo, hi = row0 * cols, row1 * cols
+        out, filled = None, 0
+        for entry in self._fragments(name, tp_rank, pp_rank):
+            a, b = max(lo, entry["param_start"]), min(hi, entry["param_end"])
+            if a >= b or kind not in entry:
+                continue
+            values = entry[kind]
+            if out is None:
+                out = torch.empty(hi - lo, dtype=values.dtype)
+            out[a - lo:b - lo] = values[a - entry["param_start"]:b - entry["param_start"]]
+            filled += b - a
+        if out is None or filled != hi - lo:
+            raise CheckpointError(f"checkpoint {self.base}: no saved {kind!r} values for "
+                                  f"{name} (saved with --no-save-optim, or another optimizer?)")
+        return out.view(row1 - row0, cols)
+
+    def _read_rows(self, name, kind, shard, local_shape, start, end, max_block=1 << 22):
+        """Rows path: the target's local tensor is seen as [rows, cols] (1-D: [n, 1]); each
+        block of its rows is copied from the overlapping saved rows, never element-wise."""
+        lcols = local_shape[1] if len(local_shape) == 2 else 1
+        full = tuple(self.meta(name)["full_shape"])
+        full_cols = full[1] if len(full) == 2 else 1
+        out = None
+        r_first, r_last = start // lcols, (end - 1) // lcols + 1
+        step = max(1, max_block // max(full_cols, 1))
+        for r0 in range(r_first, r_last, step):
+            r1 = min(r_last, r0 + step)
+            block = self._target_rows(name, kind, shard, r0, r1, lcols)  # [r1 - r0, lcols]
+            if out is None:
+                out = torch.zeros(end - start, dtype=block.dtype)
+            a, b = max(start, r0 * lcols), min(end, r1 * lcols)
+            out[a - start:b - start] = block.reshape(-1)[a - r0 * lcols:b - r0 * lcols]
+        return out
+
+    def _target_rows(self, name, kind, shard, r0, r1, lcols) -> torch.Tensor:
+        """Rows [r0, r1) of the target-local tensor (padding as zero), [r1 - r0, lcols]."""
+        full = tuple(self.meta(name)["full_shape"])
+        full_rows, full_cols = full[0], (full[1] if len(full) == 2 else 1)
+        tdim = shard.dim
+        if tdim == 0:  # local row r is logical row start + r, rows past length are padding
+            lo, hi = shard.start + r0, shard.start + min(r1, shard.logical_length())
+        else:
+            lo, hi = r0, r1
+        c_lo, c_hi = (shard.start, shard.start + shard.logical_length()) if tdim == 1 \
+            else (0, full_cols)
+        out, dtype = None, None
+        dim = self.meta(name).get("dim")
+        for t in ([0] if dim is None else range(self.tp)):
+            meta = self.meta(name, t)
+            shape = meta["local_shape"]
+            cols_t = shape[1] if len(shape) == 2 else 1
+            rows = (meta["start"], meta["start"] + meta["length"]) if dim == 0 \
+                else (0, full_rows)
+            cols = (meta["start"], meta["start"] + meta["length"]) if dim == 1 \
+                else (0, full_cols)
+            ir0, ir1 = max(lo, rows[0]), min(hi, rows[1])
+            ic0, ic1 = max(c_lo, cols[0]), min(c_hi, cols[1])
+            if ir0 >= ir1 or ic0 >= ic1:
+                continue
+            block = self._saved_rows(name, kind, t, ir0 - rows[0], ir1 - rows[0], cols_t)
+            if out is None:
+                dtype = block.dtype
+                out = torch.zeros(r1 - r0, lcols, dtype=dtype)
+            out[ir0 - lo:ir1 - lo, ic0 - c_lo:ic1 - c_lo] = \
+                block[:, ic0 - cols[0]:ic1 - cols[0]]
+        if out is None:  # padding only
+            out = torch.zeros(r1 - r0, lcols)
+        return out
+
+    def _read_indexed(self, name: str, kind: str, shard: ShardInfo, local_shape, start: int,
+                      end: int) -> torch.Tensor:
+        """General path: per-element index arithmetic (any rank, any partitioned dim)."""
         positions = np.arange(start, end, dtype=np.int64)
         gidx = torch.from_numpy(_global_flat_index(local_shape, shard, positions))
         valid = gidx >= 0
         meta0 = self.meta(name)
         full_shape = tuple(meta0["full_shape"])
-        if tuple(shard.full_shape) != full_shape:
-            raise CheckpointError(f"{name}: checkpoint holds full shape {list(full_shape)}, "
-                                  f"the current model {list(shard.full_shape)}")
         out = None
         want = gidx[valid]
         dim = meta0.get("dim")
         cells = [0] if dim is None else range(self.tp)
         coords = torch.stack(torch.unravel_index(want, full_shape)) if want.numel() else None
         where = valid.nonzero().flatten()
-        for t in cells:
+        for t in cells if want.numel() else []:
             meta = self.meta(name, t)
             if dim is None:
                 hit, local = torch.ones_like(want, dtype=torch.bool), want

@@ -170,9 +170,13 @@ def check_model_shape(saved_args: dict, config, path: str) -> None:
                               "--use-checkpoint-args")
 
 
-def layout_of(ps: ParallelState, zero_stage: int) -> dict:
-    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size,
-            "virtual": ps.virtual_pp_size, "zero_stage": zero_stage}
+def layout_of(ps: ParallelState, zero_stage: int, vocab_divisible_by: int | None = None) -> dict:
+    """The parallel layout of a checkpoint (what decides each file's tensor slices)."""
+    layout = {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size,
+              "virtual": ps.virtual_pp_size, "zero_stage": zero_stage}
+    if vocab_divisible_by is not None:  # the vocabulary padding depends on it (and on tp)
+        layout["vocab_divisible_by"] = vocab_divisible_by
+    return layout
 
 
 # ---- save --------------------------------------------------------------------------------
@@ -194,10 +198,11 @@ def save_checkpoint(root: str, iteration: int, *, model_chunks, optimizer, lr_sc
     folder = os.path.join(iteration_dir(root, iteration),
                           mp_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size))
     stage = config.optimizer.zero_stage
+    layout = layout_of(ps, stage, config.model.make_vocab_size_divisible_by)
     if ps.dp_rank == 0:
         state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                  "consumed_train_samples": consumed_train_samples,
-                 "args": config.to_dict(), "layout": layout_of(ps, stage),
+                 "args": config.to_dict(), "layout": layout,
                  "param_meta": param_meta(model_chunks)}
         if stage < 3:  # ZeRO-3 keeps the model in the per-dp-rank shards
             state.update(_model_states(model_chunks))
@@ -211,11 +216,11 @@ def save_checkpoint(root: str, iteration: int, *, model_chunks, optimizer, lr_sc
     if stage == 3 or (save_optim and stage > 0):
         shard = optimizer.sharded_state_dict(include_optimizer=save_optim) if stage == 3 \
             else optimizer.sharded_state_dict()
-        shard["layout"] = layout_of(ps, stage)
+        shard["layout"] = layout
         atomic_save(shard, os.path.join(folder, zero_shard_name(ps.dp_rank)))
     if ps.rank == 0:
         atomic_write_text(os.path.join(iteration_dir(root, iteration), LAYOUT_FILE),
-                          json.dumps({"layout": layout_of(ps, stage),
+                          json.dumps({"layout": layout,
                                       "model": model_shape(config)}, indent=1))
     comm.barrier(ps.world_group)
     if ps.rank == 0:
@@ -244,7 +249,8 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
                                                                 ps.pp_size))
     path = os.path.join(folder, MODEL_FILE)
     saved_layout = _peek_layout(root, it)
-    current = layout_of(ps, config.optimizer.zero_stage)
+    current = layout_of(ps, config.optimizer.zero_stage,
+                        config.model.make_vocab_size_divisible_by)
     if not _same_layout(saved_layout, current):
         from megazero.reshard import load_resharded
 
@@ -321,4 +327,7 @@ def _peek_layout(root, it) -> dict:
 
 def _same_layout(a: dict, b: dict) -> bool:
     keys = ("tp", "pp", "dp", "virtual", "zero_stage")
-    return all(a.get(k) == b.get(k) for k in keys)
+    same = all(a.get(k) == b.get(k) for k in keys)
+    if "vocab_divisible_by" in a and "vocab_divisible_by" in b:
+        same = same and a["vocab_divisible_by"] == b["vocab_divisible_by"]
+    return same

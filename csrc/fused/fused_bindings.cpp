@@ -1,0 +1,185 @@
+// pybind11 module megazero.ops._fused: the fused model ops on CPU (bias+GELU,
+// bias+dropout+residual-add, LayerNorm, scaled upper-triangular masked softmax).
+//
+// Functions take raw addresses (tensor.data_ptr()) and sizes from the Python faces in
+// megazero/ops/fused_*.py, never torch objects, so the module does not link libtorch. The
+// kernel table is chosen at import from the CPU's features (AVX-512+BF16, AVX-512, AVX2+FMA,
+// scalar); set_simd_level() forces one (tests force every level; MEGAZERO_SIMD is applied
+// by megazero.ops._cpu_ext on load, as for the optimizer extensions).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fused_common.h"
+
+namespace py = pybind11;
+using namespace megazero_fused;
+
+namespace {
+
+const char* const kLevelNames[] = {"scalar", "avx2", "avx512", "avx512_bf16"};
+
+int detect_level() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
+  if (avx512) return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return kAvx2;
+#endif
+  return kScalar;
+}
+
+const int g_detected = detect_level();
+int g_active = g_detected;
+
+const KernelTable& table() {
+  switch (g_active) {
+#if defined(__x86_64__) || defined(__i386__)
+    case kAvx512Bf16: return avx512bf16::kTable;
+    case kAvx512: return avx512::kTable;
+    case kAvx2: return avx2::kTable;
+#endif
+    default: return scalar::kTable;
+  }
+}
+
+std::vector<std::string> supported_simd_levels() {
+  return std::vector<std::string>(kLevelNames, kLevelNames + g_detected + 1);
+}
+
+// Same contract as the optimizer extensions: "auto" restores the best level; a level this CPU
+// lacks raises ValueError.
+void set_simd_level(const std::string& name) {
+  if (name == "auto") {
+    g_active = g_detected;
+    return;
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (name != kLevelNames[i]) continue;
+    if (i > g_detected)
+      throw std::invalid_argument("SIMD level '" + name + "' is not supported by this CPU " +
+                                  "(best: " + kLevelNames[g_detected] + ")");
+    g_active = i;
+    return;
+  }
+  throw std::invalid_argument("unknown SIMD level '" + name +
+                              "' (expected auto, scalar, avx2, avx512 or avx512_bf16)");
+}
+
+template <class T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+int threads(int n) { return n > 0 ? n : 1; }
+
+DropoutArgs dropout_args(uint64_t seed, uint64_t offset, uint32_t threshold, float scale,
+                         bool enabled) {
+  return DropoutArgs{seed, offset, threshold, scale, enabled};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_fused, m) {
+  m.doc() = "megazero fused model ops (CPU): raw-pointer kernels with run-time SIMD dispatch";
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+
+  m.def("simd_level", [] { return std::string(kLevelNames[g_active]); },
+        "SIMD level in use: scalar, avx2, avx512 or avx512_bf16");
+  m.def("supported_simd_levels", &supported_simd_levels,
+        "SIMD levels this CPU supports, lowest first");
+  m.def("set_simd_level", &set_simd_level, py::arg("name"),
+        "use this SIMD level ('auto': the best); ValueError when the CPU lacks it");
+
+  m.def(
+      "bias_gelu_fwd",
+      [](uintptr_t x, uintptr_t bias, uintptr_t y, int64_t rows, int64_t cols, int dt, int nt) {
+        table().bias_gelu_fwd(ptr<const void>(x), ptr<const void>(bias), ptr<void>(y), rows,
+                              cols, dt, threads(nt));
+      },
+      nogil, "y[r, c] = gelu_tanh(x[r, c] + bias[c]); bias address 0 means no bias");
+  m.def(
+      "bias_gelu_bwd",
+      [](uintptr_t dy, uintptr_t x, uintptr_t bias, uintptr_t dx, uintptr_t dbias, int64_t rows,
+         int64_t cols, int dt, int nt) {
+        std::vector<float> scratch(bias ? static_cast<size_t>(threads(nt) * cols) : 0);
+        table().bias_gelu_bwd(ptr<const void>(dy), ptr<const void>(x), ptr<const void>(bias),
+                              ptr<void>(dx), ptr<void>(dbias), scratch.data(), rows, cols, dt,
+                              threads(nt));
+      },
+      nogil, "dx = dy * gelu_tanh'(x + bias); dbias = dx summed over rows");
+  m.def(
+      "bias_dropout_add_fwd",
+      [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t out, int64_t rows,
+         int64_t cols, uint64_t seed, uint32_t threshold, float scale, bool enabled, int dt,
+         int nt, uint64_t offset) {
+        table().bias_dropout_add_fwd(ptr<const void>(x), ptr<const void>(bias),
+                                     ptr<const void>(residual), ptr<void>(out), rows, cols,
+                                     dropout_args(seed, offset, threshold, scale, enabled), dt,
+                                     threads(nt));
+      },
+      py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("out"), py::arg("rows"),
+      py::arg("cols"), py::arg("seed"), py::arg("threshold"), py::arg("scale"),
+      py::arg("enabled"), py::arg("dtype"), py::arg("nthreads"), py::arg("offset") = 0, nogil,
+      "out = residual + mask(seed, offset + index) * scale * (x + bias)");
+  m.def(
+      "bias_dropout_add_bwd",
+      [](uintptr_t dy, uintptr_t dx, uintptr_t dbias, int64_t rows, int64_t cols, uint64_t seed,
+         uint32_t threshold, float scale, bool enabled, int dt, int nt, uint64_t offset) {
+        std::vector<float> scratch(dbias ? static_cast<size_t>(threads(nt) * cols) : 0);
+        table().bias_dropout_add_bwd(ptr<const void>(dy), ptr<void>(dx), ptr<void>(dbias),
+                                     scratch.data(), rows, cols,
+                                     dropout_args(seed, offset, threshold, scale, enabled), dt,
+                                     threads(nt));
+      },
+      py::arg("dy"), py::arg("dx"), py::arg("dbias"), py::arg("rows"), py::arg("cols"),
+      py::arg("seed"), py::arg("threshold"), py::arg("scale"), py::arg("enabled"),
+      py::arg("dtype"), py::arg("nthreads"), py::arg("offset") = 0, nogil,
+      "dx = dy * mask(seed, offset + index) * scale (mask regenerated); dbias = sum of dx");
+  m.def(
+      "layer_norm_fwd",
+      [](uintptr_t x, uintptr_t w, uintptr_t b, uintptr_t y, uintptr_t mean, uintptr_t rstd,
+         int64_t rows, int64_t h, float eps, int dt, int wdt, int nt) {
+        table().layer_norm_fwd(ptr<const void>(x), ptr<const void>(w), ptr<const void>(b),
+                               ptr<void>(y), ptr<float>(mean), ptr<float>(rstd), rows, h, eps,
+                               dt, wdt, threads(nt));
+      },
+      nogil, "y = (x - mean) * rstd * w + b per row of h; writes fp32 mean and rstd");
+  m.def(
+      "layer_norm_bwd",
+      [](uintptr_t dy, uintptr_t x, uintptr_t mean, uintptr_t rstd, uintptr_t w, uintptr_t dx,
+         uintptr_t dw, uintptr_t db, int64_t rows, int64_t h, int dt, int wdt, int nt) {
+        std::vector<float> scratch(dw ? static_cast<size_t>(threads(nt) * 2 * h) : 0);
+        table().layer_norm_bwd(ptr<const void>(dy), ptr<const void>(x), ptr<const float>(mean),
+                               ptr<const float>(rstd), ptr<const void>(w), ptr<void>(dx),
+                               ptr<void>(dw), ptr<void>(db), scratch.data(), rows, h, dt, wdt,
+                               threads(nt));
+      },
+      nogil, "LayerNorm backward: dx, and dw/db (both or neither; dw address 0 = neither)");
+  m.def(
+      "softmax_fwd",
+      [](uintptr_t x, uintptr_t y, int64_t batches, int64_t sq, int64_t sk, float scale, int dt,
+         int nt) {
+        std::vector<float> scratch(dt == kFloat32 ? 0 : static_cast<size_t>(threads(nt) * sk));
+        table().softmax_fwd(ptr<const void>(x), ptr<void>(y), scratch.data(), batches, sq, sk,
+                            scale, dt, threads(nt));
+      },
+      nogil, "causal softmax(scale * x) over [batches, sq, sk]; row i keeps columns 0..i");
+  m.def(
+      "softmax_bwd",
+      [](uintptr_t dy, uintptr_t y, uintptr_t dx, int64_t batches, int64_t sq, int64_t sk,
+         float scale, int dt, int nt) {
+        table().softmax_bwd(ptr<const void>(dy), ptr<const void>(y), ptr<void>(dx), batches, sq,
+                            sk, scale, dt, threads(nt));
+      },
+      nogil, "dx = scale * y * (dy - sum(dy * y)) on the unmasked part, 0 elsewhere");
+}

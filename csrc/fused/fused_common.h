@@ -1,0 +1,86 @@
+// Shared declarations of the fused model ops (CPU): dtype codes, the bf16 storage type, the
+// per-ISA kernel table, and the counter-based dropout hash that the Python reference mirrors.
+//
+// Every ISA (scalar, AVX2+FMA, AVX-512, AVX-512 with BF16 instructions) compiles the same
+// kernel bodies (fused_kernels_impl.h) in its own translation unit and namespace under
+// `#pragma GCC target`, and fills one KernelTable; fused_bindings.cpp picks the table at run
+// time from __builtin_cpu_supports. Kernels take raw pointers and sizes only (no libtorch).
+#pragma once
+
+#include <cstdint>
+
+namespace megazero_fused {
+
+// Element dtype of a buffer, as passed from Python.
+enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
+
+// bf16 is stored as its upper 16 bits of an IEEE float; kernels compute in fp32.
+struct bf16_t {
+  uint16_t bits;
+};
+
+// SIMD levels, ordered: a higher level implies every lower one.
+enum SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// Dropout hash (lowbias32 by C. Wellons): a bijection on 32-bit words with good avalanche.
+// The mask bit of flat element i under `seed` is
+//   key  = mix(mix(seed_hi ^ hi32(i)) ^ seed_lo)
+//   keep = mix(mix(lo32(i) ^ key)) >= threshold,  threshold = p * 2^32
+// megazero/ops/fused_dropout.py computes the same function with torch int64 ops.
+constexpr uint32_t kMixMul1 = 0x7feb352du;
+constexpr uint32_t kMixMul2 = 0x846ca68bu;
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= kMixMul1;
+  x ^= x >> 15;
+  x *= kMixMul2;
+  x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t dropout_key(uint64_t seed, uint32_t hi) {
+  return mix32(mix32(static_cast<uint32_t>(seed >> 32) ^ hi) ^ static_cast<uint32_t>(seed));
+}
+
+// Arguments of the dropout part of bias_dropout_add.
+struct DropoutArgs {
+  uint64_t seed;
+  uint64_t offset;     // flat index of element [0, 0] (0 from Python; tests cross 2^32)
+  uint32_t threshold;  // drop element when hash < threshold
+  float scale;         // 1 / (1 - p)
+  bool enabled;        // false: out = residual + x + bias
+};
+
+// One ISA's kernels. `dt`: DType of the activation buffers; `wdt`: DType of LayerNorm's
+// weight/bias (and their gradients). Null bias/weight pointers mean "absent".
+// `scratch` buffers are fp32, sized by the caller as documented in fused_bindings.cpp.
+struct KernelTable {
+  void (*bias_gelu_fwd)(const void* x, const void* bias, void* y, int64_t rows, int64_t cols,
+                        int dt, int nthreads);
+  void (*bias_gelu_bwd)(const void* dy, const void* x, const void* bias, void* dx, void* dbias,
+                        float* scratch, int64_t rows, int64_t cols, int dt, int nthreads);
+  void (*bias_dropout_add_fwd)(const void* x, const void* bias, const void* residual, void* out,
+                               int64_t rows, int64_t cols, DropoutArgs drop, int dt,
+                               int nthreads);
+  void (*bias_dropout_add_bwd)(const void* dy, void* dx, void* dbias, float* scratch,
+                               int64_t rows, int64_t cols, DropoutArgs drop, int dt,
+                               int nthreads);
+  void (*layer_norm_fwd)(const void* x, const void* w, const void* b, void* y, float* mean,
+                         float* rstd, int64_t rows, int64_t h, float eps, int dt, int wdt,
+                         int nthreads);
+  void (*layer_norm_bwd)(const void* dy, const void* x, const float* mean, const float* rstd,
+                         const void* w, void* dx, void* dw, void* db, float* scratch,
+                         int64_t rows, int64_t h, int dt, int wdt, int nthreads);
+  void (*softmax_fwd)(const void* x, void* y, float* scratch, int64_t batches, int64_t sq,
+                      int64_t sk, float scale, int dt, int nthreads);
+  void (*softmax_bwd)(const void* dy, const void* y, void* dx, int64_t batches, int64_t sq,
+                      int64_t sk, float scale, int dt, int nthreads);
+};
+
+namespace scalar { extern const KernelTable kTable; }
+namespace avx2 { extern const KernelTable kTable; }
+namespace avx512 { extern const KernelTable kTable; }
+namespace avx512bf16 { extern const KernelTable kTable; }
+
+}  // namespace megazero_fused

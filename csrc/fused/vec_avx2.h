@@ -1,0 +1,115 @@
+// 8-lane fp32 vector ops for AVX2 + FMA. Included inside an ISA namespace of a translation
+// unit compiled under `#pragma GCC target("avx2,fma")`; <immintrin.h>, <cstring> and
+// fused_common.h are included before. Partial bf16 loads/stores go through a stack buffer.
+
+constexpr int W = 8;
+struct Vf {
+  __m256 v;
+};
+
+static inline __m256i lanes_below(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline Vf vset1(float a) { return {_mm256_set1_ps(a)}; }
+static inline Vf vzero() { return {_mm256_setzero_ps()}; }
+static inline Vf vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+static inline Vf vload(const bf16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
+}
+static inline Vf vfirst(Vf a, int n, Vf b) {
+  return {_mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(lanes_below(n)))};
+}
+static inline Vf vload_part(const float* p, int n, float fill) {
+  Vf v = {_mm256_maskload_ps(p, lanes_below(n))};
+  return vfirst(v, n, vset1(fill));
+}
+static inline Vf vload_part(const bf16_t* p, int n, float fill) {
+  bf16_t tmp[W] = {};
+  std::memcpy(tmp, p, sizeof(bf16_t) * n);
+  return vfirst(vload(tmp), n, vset1(fill));
+}
+static inline __m128i to_bf16(__m256 a) {
+  __m256i b = _mm256_castps_si256(a);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_srli_epi32(r, 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+static inline void vstore(float* p, Vf a) { _mm256_storeu_ps(p, a.v); }
+static inline void vstore(bf16_t* p, Vf a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(a.v));
+}
+static inline void vstore_part(float* p, Vf a, int n) {
+  _mm256_maskstore_ps(p, lanes_below(n), a.v);
+}
+static inline void vstore_part(bf16_t* p, Vf a, int n) {
+  bf16_t tmp[W];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), to_bf16(a.v));
+  std::memcpy(p, tmp, sizeof(bf16_t) * n);
+}
+
+static inline Vf operator+(Vf a, Vf b) { return {_mm256_add_ps(a.v, b.v)}; }
+static inline Vf operator-(Vf a, Vf b) { return {_mm256_sub_ps(a.v, b.v)}; }
+static inline Vf operator*(Vf a, Vf b) { return {_mm256_mul_ps(a.v, b.v)}; }
+static inline Vf operator/(Vf a, Vf b) { return {_mm256_div_ps(a.v, b.v)}; }
+static inline Vf vfma(Vf a, Vf b, Vf c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+static inline Vf vfnma(Vf a, Vf b, Vf c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
+static inline Vf vmax(Vf a, Vf b) { return {_mm256_max_ps(a.v, b.v)}; }
+static inline Vf vmin(Vf a, Vf b) { return {_mm256_min_ps(a.v, b.v)}; }
+static inline float vsum(Vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline float vhmax(Vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x), same polynomial as the AVX-512 path; 2^n built in the exponent bits.
+static inline Vf vexp(Vf x) {
+  __m256 t = _mm256_min_ps(_mm256_max_ps(x.v, _mm256_set1_ps(-87.33654f)),
+                           _mm256_set1_ps(88.37626f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // n in [-127, 128]: split 2^n = 2^(n/2) * 2^(n - n/2) so both factors are normal floats.
+  __m256i ni = _mm256_cvtps_epi32(n);
+  __m256i n1 = _mm256_srai_epi32(ni, 1);
+  __m256i n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return {_mm256_mul_ps(_mm256_mul_ps(p, s1), s2)};
+}
+
+static inline __m256i vmix(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kMixMul1)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kMixMul2)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+static inline Vf vdropout(uint32_t lo0, uint32_t key, uint32_t threshold, float scale) {
+  __m256i i = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo0)),
+                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i h = vmix(vmix(_mm256_xor_si256(i, _mm256_set1_epi32(static_cast<int>(key)))));
+  __m256i t = _mm256_set1_epi32(static_cast<int>(threshold));
+  __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(h, t), h);  // h >= t, unsigned
+  return {_mm256_and_ps(_mm256_castsi256_ps(keep), _mm256_set1_ps(scale))};
+}

@@ -1,0 +1,105 @@
+// 16-lane fp32 vector ops for AVX-512 (F, BW, VL, DQ). Included inside an ISA namespace of a
+// translation unit compiled under `#pragma GCC target("avx512f,...")`; <immintrin.h> and
+// fused_common.h are included before. With MZ_AVX512_BF16, fp32->bf16 stores use
+// VCVTNEPS2BF16; otherwise round-to-nearest-even in integer ops (same results, NaN -> 0x7fc0).
+
+constexpr int W = 16;
+struct Vf {
+  __m512 v;
+};
+struct Vm {  // per-lane predicate
+  __mmask16 m;
+};
+
+static inline __mmask16 first_n(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+
+static inline Vf vset1(float a) { return {_mm512_set1_ps(a)}; }
+static inline Vf vzero() { return {_mm512_setzero_ps()}; }
+static inline Vf vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline Vf vload(const bf16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+// Lanes [0, n) from p, the others `fill`.
+static inline Vf vload_part(const float* p, int n, float fill) {
+  return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), first_n(n), p)};
+}
+static inline Vf vload_part(const bf16_t* p, int n, float fill) {
+  __m256i h = _mm256_maskz_loadu_epi16(first_n(n), p);
+  __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return {_mm512_mask_blend_ps(first_n(n), _mm512_set1_ps(fill), v)};
+}
+static inline __m256i to_bf16(__m512 a) {
+#ifdef MZ_AVX512_BF16
+  __m256bh r = _mm512_cvtneps_pbh(a);
+  __m256i out;
+  __builtin_memcpy(&out, &r, sizeof(out));
+  return out;
+#else
+  __m512i b = _mm512_castps_si512(a);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_srli_epi32(r, 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+static inline void vstore(float* p, Vf a) { _mm512_storeu_ps(p, a.v); }
+static inline void vstore(bf16_t* p, Vf a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(a.v));
+}
+static inline void vstore_part(float* p, Vf a, int n) {
+  _mm512_mask_storeu_ps(p, first_n(n), a.v);
+}
+static inline void vstore_part(bf16_t* p, Vf a, int n) {
+  _mm256_mask_storeu_epi16(p, first_n(n), to_bf16(a.v));
+}
+
+static inline Vf operator+(Vf a, Vf b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline Vf operator-(Vf a, Vf b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline Vf operator*(Vf a, Vf b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline Vf operator/(Vf a, Vf b) { return {_mm512_div_ps(a.v, b.v)}; }
+static inline Vf vfma(Vf a, Vf b, Vf c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }   // a*b+c
+static inline Vf vfnma(Vf a, Vf b, Vf c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; } // c-a*b
+static inline Vf vmax(Vf a, Vf b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline Vf vmin(Vf a, Vf b) { return {_mm512_min_ps(a.v, b.v)}; }
+static inline float vsum(Vf a) { return _mm512_reduce_add_ps(a.v); }
+static inline float vhmax(Vf a) { return _mm512_reduce_max_ps(a.v); }
+// Lanes [0, n) of a, the others of b.
+static inline Vf vfirst(Vf a, int n, Vf b) { return {_mm512_mask_blend_ps(first_n(n), b.v, a.v)}; }
+
+// exp(x), Cephes polynomial on [-ln2/2, ln2/2]; about 1 ulp, inputs clamped to +-88.
+static inline Vf vexp(Vf x) {
+  __m512 t = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.33654f)),
+                           _mm512_set1_ps(88.37626f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return {_mm512_scalef_ps(p, n)};
+}
+
+// Dropout multipliers for flat indices whose low words are lo0 .. lo0+W-1 (no 2^32 wrap):
+// `scale` where mix(mix(lo ^ key)) >= threshold, else 0.
+static inline __m512i vmix(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kMixMul1)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kMixMul2)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+static inline Vf vdropout(uint32_t lo0, uint32_t key, uint32_t threshold, float scale) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i i = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo0)), iota);
+  __m512i h = vmix(vmix(_mm512_xor_si512(i, _mm512_set1_epi32(static_cast<int>(key)))));
+  __mmask16 keep = _mm512_cmpge_epu32_mask(h, _mm512_set1_epi32(static_cast<int>(threshold)));
+  return {_mm512_maskz_mov_ps(keep, _mm512_set1_ps(scale))};
+}

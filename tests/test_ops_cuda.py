@@ -1,0 +1,258 @@
+"""CUDA kernels: every .cu compiles with nvcc (here and wherever nvcc is on PATH, so the CUDA
+sources cannot rot on machines without a GPU); correctness against the PyTorch references
+where a GPU and the built extensions are present; the multi-tensor optimizers' reference
+path (what CPU tensors take) against torch.optim.
+
+nvcc compiles each .cu alone for sm_90 (they include only CUDA headers) with the flags torch's
+extension builder passes; the torch-facing bindings (*_cuda.cc) are syntax-checked against the
+installed torch's headers (with g++ -fsyntax-only; both run in parallel with each other).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero.ops import cuda_optim
+from megazero.ops import fused_common as fc
+from megazero.ops._loader import load_extension
+from megazero.ops.fused_layer_norm import fused_layer_norm
+from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax, softmax_eager
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+NVCC = shutil.which("nvcc")
+CU_FILES = sorted(CSRC.glob("*/*.cu"))
+GPU = torch.cuda.is_available()
+
+
+def _nvcc_flags():
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    return [*COMMON_NVCC_FLAGS, "-std=c++20", "-O3", "--use_fast_math", "-Xcompiler", "-fPIC",
+            f"-I{CSRC}", f"-I{CSRC / 'include'}"]
+
+
+def _cuda_include_dir():
+    """The CUDA include folder nvcc uses (from its --dryrun INCLUDES line)."""
+    out = subprocess.run([NVCC, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    for word in out.replace('"', " ").split():
+        if word.startswith("-I") and (Path(word[2:]) / "cuda_runtime_api.h").exists():
+            return Path(word[2:])
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_runtime_api.h").exists():
+            return Path(home) / "include"
+    return None
+
+
+def _binding_commands(tmp):
+    """g++ -fsyntax-only of every *_cuda.cc against the installed torch's headers."""
+    from torch.utils.cpp_extension import include_paths
+
+    cuda_inc = _cuda_include_dir()
+    if shutil.which("g++") is None or cuda_inc is None:
+        return {}
+    # a CPU torch wheel lacks this generated header of its CUDA build; an empty one will do
+    stub = tmp / "stub" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    incs = [f"-I{tmp / 'stub'}", *(f"-I{p}" for p in include_paths()), f"-I{cuda_inc}",
+            f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}", f"-I{CSRC / 'include'}"]
+    return {cc: ["g++", "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=_test",
+                 "-DTORCH_API_INCLUDE_EXTENSION_H", *incs, str(cc)]
+            for cc in sorted(CSRC.glob("*/*_cuda.cc"))}
+
+
+@pytest.fixture(scope="module")
+def compile_jobs(tmp_path_factory):
+    """Start every compile at once (nvcc per .cu, g++ per binding); tests wait on theirs."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    tmp = tmp_path_factory.mktemp("cuda_build")
+    cmds = {cu: [NVCC, *_nvcc_flags(), "-arch=sm_90", "-c", str(cu), "-o",
+                 str(tmp / f"{cu.stem}.o")] for cu in CU_FILES}
+    cmds.update(_binding_commands(tmp))
+    jobs = {src: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for src, cmd in cmds.items()}
+    yield jobs
+    for proc in jobs.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _failures(jobs, sources):
+    failures = []
+    for src in sources:
+        out, _ = jobs[src].communicate(timeout=600)
+        if jobs[src].returncode != 0:
+            failures.append(f"{src.relative_to(ROOT)}:\n{out[-4000:]}")
+    return failures
+
+
+def test_every_cu_file_compiles_with_nvcc(compile_jobs):
+    assert CU_FILES, "no .cu sources found"
+    failures = _failures(compile_jobs, CU_FILES)
+    assert not failures, "\n".join(failures)
+
+
+def test_cuda_bindings_compile_against_torch_headers(compile_jobs):
+    bindings = [src for src in compile_jobs if src.suffix == ".cc"]
+    if not bindings:
+        pytest.skip("needs g++ and the CUDA headers next to nvcc")
+    failures = _failures(compile_jobs, bindings)
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------- multi-tensor reference path
+def _params(gen, shapes, dtype=torch.float32, device="cpu"):
+    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+
+
+@pytest.fixture
+def gen():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fused_adam_reference_matches_torch(gen, adam_w_mode):
+    shapes = [(7,), (3, 5), (129,), ()]
+    init = _params(gen, shapes)
+    ours = [torch.nn.Parameter(p.clone()) for p in init]
+    theirs = [torch.nn.Parameter(p.clone()) for p in init]
+    opt = cuda_optim.FusedAdam(ours, lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w_mode)
+    cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    ref = cls(theirs, lr=1e-2, weight_decay=0.1)
+    for _ in range(100):
+        grads = _params(gen, shapes)
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_lamb_reference_step(gen):
+    p = torch.randn(50, generator=gen)
+    g = torch.randn(50, generator=gen)
+    m, v = torch.zeros(50), torch.zeros(50)
+    q = p.clone()
+    cuda_optim.lamb_reference([q], [g], [m], [v], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-6,
+                              weight_decay=0.01, step=1)
+    # first step: m_hat = g, v_hat = g^2, so u = g / (|g| + eps) + wd * p
+    u = g / (g.abs() + 1e-6) + 0.01 * p
+    ratio = min(max(p.norm() / u.norm(), 0.01), 10.0)
+    torch.testing.assert_close(q, p - 0.1 * ratio * u)
+    # a zero parameter tensor takes ratio 1
+    z = torch.zeros(4)
+    cuda_optim.lamb_reference([z], [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)], lr=0.1,
+                              beta1=0.9, beta2=0.999, eps=0.0, weight_decay=0.0, step=1)
+    torch.testing.assert_close(z, torch.full((4,), -0.1))
+
+
+# ---------------------------------------------------------------------- on a GPU (skipped here)
+needs_gpu_fused = pytest.mark.skipif(not GPU or fc.cuda_extension() is None,
+                                     reason="needs a GPU and megazero.ops._fused_cuda")
+needs_gpu_optim = pytest.mark.skipif(
+    not GPU or (GPU and load_extension(cuda_optim.EXTENSION) is None),
+    reason="needs a GPU and megazero.ops._multi_tensor_cuda")
+
+
+def _gpu_check(actual, expected, dtype, what):
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    scale = max(1.0, expected.float().abs().max().item())
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@needs_gpu_fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (3, 7, 768), (300, 1031), (2, 8192)])
+def test_cuda_layer_norm(gen, dtype, shape):
+    h = shape[-1]
+    x = torch.randn(shape, generator=gen).cuda().to(dtype).requires_grad_()
+    w = (1 + torch.randn(h, generator=gen)).cuda().requires_grad_()  # fp32 params
+    b = torch.randn(h, generator=gen).cuda().requires_grad_()
+    dy = torch.randn(shape, generator=gen).cuda().to(dtype)
+    y = fused_layer_norm(x, w, b, 1e-5)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    ref = torch.nn.functional.layer_norm(xr, (h,), wr, br, 1e-5)
+    rdx, rdw, rdb = torch.autograd.grad(ref, (xr, wr, br), dy.float())
+    _gpu_check(y, ref, dtype, "y")
+    _gpu_check(dx, rdx, dtype, "dx")
+    _gpu_check(dw, rdw, dtype if dtype == torch.float32 else torch.bfloat16, "dw")
+    _gpu_check(db, rdb, dtype if dtype == torch.float32 else torch.bfloat16, "db")
+
+
+@needs_gpu_fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sq", [1, 31, 33, 100, 1024, 1025, 2000])
+def test_cuda_causal_softmax(gen, dtype, sq):
+    s = (4 * torch.randn(3, sq, sq, generator=gen)).cuda().to(dtype).requires_grad_()
+    dy = torch.randn(3, sq, sq, generator=gen).cuda().to(dtype)
+    y = scaled_upper_triang_masked_softmax(s, 0.125)
+    (dx,) = torch.autograd.grad(y, s, dy)
+    sr = s.detach().float().requires_grad_()
+    ref = softmax_eager(sr, 0.125)
+    (rdx,) = torch.autograd.grad(ref, sr, dy.float())
+    _gpu_check(y, ref, dtype, "probs")
+    _gpu_check(dx, rdx, dtype, "dscores")
+    upper = torch.ones(sq, sq, dtype=torch.bool, device="cuda").triu(1).expand(3, sq, sq)
+    assert torch.count_nonzero(y[upper]) == 0
+
+
+@needs_gpu_optim
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_multi_tensor_adam_and_lamb_match_reference(gen, dtype):
+    # > 36 tensors and > 320 chunks: several launches, tensors split across launches
+    shapes = [(1000,)] * 40 + [(3 * 65536 + 7,)] * 120 + [(0,), (5,)]
+    for op, ref_op, kw in [
+        (cuda_optim.multi_tensor_adam, cuda_optim.adam_reference, dict(adam_w_mode=True)),
+        (cuda_optim.multi_tensor_lamb, cuda_optim.lamb_reference, {}),
+    ]:
+        params = _params(gen, shapes, dtype, "cuda")
+        grads = _params(gen, shapes, dtype, "cuda")
+        ms = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        vs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        clones = [[t.clone() for t in lst] for lst in (params, grads, ms, vs)]
+        for step in (1, 2, 3):
+            op(params, grads, ms, vs, lr=1e-2, weight_decay=0.01, step=step, grad_scale=0.5,
+               **kw)
+            ref_op(*clones, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8 if "adam_w_mode" in kw
+                   else 1e-6, weight_decay=0.01, step=step, grad_scale=0.5, **kw)
+        for a, b in zip(params, clones[0]):
+            _gpu_check(a, b, dtype, op.__name__)
+
+
+@needs_gpu_optim
+def test_cuda_fused_adam_matches_torch_adamw(gen):
+    init = _params(gen, [(1023,), (64, 65), (70000,)])
+    ours = [torch.nn.Parameter(p.cuda()) for p in init]
+    theirs = [torch.nn.Parameter(p.cuda()) for p in init]
+    opt = cuda_optim.FusedAdam(ours, lr=1e-3, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.1)
+    for _ in range(100):
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape, generator=gen).cuda()
+            p.grad, q.grad = g.clone(), g
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_report_lists_the_cuda_ops():
+    out = subprocess.run([sys.executable, "-m", "megazero.ops"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("cuda_layer_norm", "cuda_causal_softmax", "cuda_fused_adam", "bias_gelu"):
+        assert name in out.stdout
