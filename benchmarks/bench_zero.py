@@ -96,40 +96,18 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _regathered_numel(optimizer) -> int:
-    """ZeRO-3: padded elements of units used by a second module (the tied embedding, used
-    by the output layer), which forward gathers a second time."""
-    units = getattr(optimizer, "units", [])
-    return sum(optimizer.layout.buckets[b].numel for u in units if len(u.users) > 1
-               for b in u.buckets)
-
-
 def _held_gathered_bytes(output: torch.Tensor, model) -> tuple[int, int] | None:
-    """ZeRO-3, at the end of forward: (bytes of gathered full-unit buffers still referenced
-    by autograd's saved tensors, bytes the optimizer accounts as gathered). Every unit has
-    been released by then; a saved tensor whose storage has a unit bucket's size is a view of
-    a gathered buffer (e.g. ``weight.t()`` saved by ``F.linear``). None for stages 0-2."""
+    """ZeRO-3, at the end of forward: (bytes of gathered buffers still alive, measured with
+    weak references to every buffer the optimizer allocated, bytes the optimizer accounts as
+    gathered). Reading autograd's saved tensors instead would unpack them, i.e. gather the
+    parameters again. None for stages 0-2."""
     opt = next((getattr(p, "_mz_zero3", None) for p in model.parameters()), None)
     if opt is None:
         return None
-    sizes = {opt.layout.buckets[b].numel * opt._itemsize for u in opt.units for b in u.buckets}
-    seen, held, stack = set(), 0, [output.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        for attr in dir(fn):
-            if not attr.startswith("_saved_"):
-                continue
-            t = getattr(fn, attr, None)
-            if isinstance(t, torch.Tensor) and t.numel() > 0:
-                st = t.untyped_storage()
-                if st.nbytes() in sizes and ("ptr", st.data_ptr()) not in seen:
-                    seen.add(("ptr", st.data_ptr()))
-                    held += st.nbytes()
-        stack += [f for f, _ in fn.next_functions]
-    return held, opt.live_bytes
+    import gc
+
+    gc.collect()
+    return opt.held_bytes(), opt.live_bytes
 
 
 def _worker(rank, world, port, argv, out, verbose, env):
@@ -208,7 +186,6 @@ def _worker(rank, world, port, argv, out, verbose, env):
                   "rss_before_step": rss["before_step"],
                   "held_gathered": rss.get("held_gathered"),
                   "padded_numel": optimizer.layout.numel,
-                  "regathered_numel": _regathered_numel(optimizer),
                   "step_s": statistics.median(steps[1:] or steps),
                   "decisions": comm.ring_decisions(), "loss": history["lm loss"]}
         out.put(("ok", result))
@@ -259,7 +236,7 @@ def summarize(results, dp, stage, precision):
     d, ring = DTYPE_BYTES[precision], (dp - 1) / dp
     # what the collectives must move given the layout: padded buckets, and ZeRO-3's second
     # forward gather of the tied embedding's unit
-    explained = max((COMM_FACTOR[stage] * r["padded_numel"] + r["regathered_numel"]) * d * ring
+    explained = max((COMM_FACTOR[stage] * r["padded_numel"]) * d * ring
                     for r in results)
     pick = lambda key: max(r[key] for r in results)  # noqa: E731
     return {"dp": dp, "stage": stage, "precision": precision, "psi": psi,
@@ -309,8 +286,8 @@ def print_tables(rows, models):
               f"{_mb(b['optimizer_states'])} | {_mb(r['states'])} | "
               f"{_mb(r['mem_formula'])} | {ratio:.4f} | {_met(ratio)} | {peak} |")
     print("\nBytes sent per rank in the measured step vs formula = {2,3} Psi x dtype bytes x "
-          "(N-1)/N; 'explained' adds bucket padding and ZeRO-3's second gather of the tied "
-          "embedding; residual = sent - explained")
+          "(N-1)/N; 'explained' uses the padded parameter count (bucket padding); "
+          "residual = sent - explained")
     print("| N | stage | dtype | sent MB | formula MB | ratio | within 5% | explained MB | "
           "residual B | ring wire MB | RS/AG path | calls AG/RS/AR |")
     print("|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|---|")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self._seq = 0
         self._inflight: dict[int, tuple] = {}
         self._storages: dict[int, tuple] = {}  # data_ptr of gathered buffers -> (unit, bucket)
+        self._buffers: list = []  # weak references to every gathered buffer (diagnostics)
         self._hook_stack: list = []
         self.live_bytes = self.peak_live_bytes = 0
         device = ps.device
@@ -262,6 +264,7 @@ class Zero3Optimizer(ZeroOptimizer):
         self._check("gather", b)
         full = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
         self._account(bucket.numel)
+        self._buffers.append(weakref.ref(full))
         work = comm.all_gather_into(full, self._owned_model_chunk(bucket), self.dp_group,
                                     async_op=async_op)
         return full, work
@@ -455,6 +458,12 @@ class Zero3Optimizer(ZeroOptimizer):
                 if real > 0:
                     owned[:real].copy_(full[c0 - bucket.start:c0 - bucket.start + real])
         self.reload_model_params()
+
+    def held_bytes(self) -> int:
+        """Bytes of gathered buffers still alive, referenced by anyone (the optimizer, or a
+        saved tensor that escaped the pack hook): measured, unlike ``live_bytes``."""
+        self._buffers = [r for r in self._buffers if r() is not None]
+        return sum(r().numel() * r().element_size() for r in self._buffers)
 
     def memory_report(self) -> dict:
         report = super().memory_report()
