@@ -327,6 +327,12 @@ class MegazeroConfig:
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
                f"--global-batch-size ({t.global_batch_size}) must be divisible by "
                f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
+        if t.train_iters is not None and o.lr_decay_style != "constant" \
+                and o.lr_warmup_fraction is None and o.lr_warmup_samples == 0:
+            decay = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
+            _check(o.lr_warmup_iters < decay,
+                   f"--lr-warmup-iters ({o.lr_warmup_iters}) must be smaller than the lr decay "
+                   f"({decay} iterations: --lr-decay-iters, else --train-iters)")
         if v is not None:
             n_micro = t.global_batch_size // (t.micro_batch_size * dp)
             _check(n_micro % pp == 0,

@@ -54,7 +54,7 @@ GPT_ARGS=(
     --lr 1e-3
     --min-lr 1e-4
     --lr-decay-style cosine
-    --lr-warmup-iters 20
+    --lr-warmup-fraction 0.1
     --weight-decay 0.1
     --clip-grad 1.0
     --attention-dropout 0.0

@@ -33,6 +33,7 @@ def test_defaults_and_megatron_flags():
      "--max-position-embeddings 16", 2, "--sequence-parallel needs --seq-length (15)"),
     ("--train-iters 5 --train-samples 10", 1, "--train-iters or --train-samples"),
     ("--data-path foo", 1, "--tokenizer-type"),
+    ("--train-iters 5 --lr-warmup-iters 5", 1, "--lr-warmup-iters (5) must be smaller"),
 ])
 def test_bad_flags_are_named(argv, world, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr-warmup-iters", "1"]
+         "--global-batch-size", "4"]
 
 
 def free_port() -> int:
