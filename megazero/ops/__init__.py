@@ -7,11 +7,23 @@ runs). Modules wrapping a kernel register their ops in ``megazero.ops.registry``
 
 CPU optimizers: ``CPUAdam`` (cpu_adam.py), ``CPULamb`` (cpu_lamb.py); the fused ZeRO
 optimizer step and the global gradient norm: ``megazero.ops.fused_step``.
+
+Fused model ops (CPU kernels in ``csrc/fused``, CUDA LayerNorm/softmax when built), each an
+autograd op with a PyTorch fallback: ``fused_bias_gelu``, ``fused_bias_dropout_add``,
+``fused_layer_norm`` / ``FusedLayerNorm``, ``scaled_upper_triang_masked_softmax``. Multi-tensor
+CUDA optimizers: ``FusedAdam``, ``FusedLamb`` (cuda_optim.py).
 """
 
 from megazero.ops._loader import load_extension
 from megazero.ops.cpu_adam import CPUAdam
 from megazero.ops.cpu_lamb import CPULamb
+from megazero.ops.cuda_optim import FusedAdam, FusedLamb
+from megazero.ops.fused_bias_gelu import fused_bias_gelu
+from megazero.ops.fused_dropout import fused_bias_dropout_add
+from megazero.ops.fused_layer_norm import FusedLayerNorm, fused_layer_norm
+from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax
 from megazero.ops.registry import OP_MODULES, register_op
 
-__all__ = ["CPUAdam", "CPULamb", "OP_MODULES", "load_extension", "register_op"]
+__all__ = ["CPUAdam", "CPULamb", "OP_MODULES", "load_extension", "register_op",
+           "FusedAdam", "FusedLamb", "FusedLayerNorm", "fused_bias_dropout_add", "fused_bias_gelu",
+           "fused_layer_norm", "scaled_upper_triang_masked_softmax"]

@@ -107,8 +107,9 @@ def multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, be
 class _MultiTensorOptimizer(torch.optim.Optimizer):
     """Shared step(): group params by (device, dtype, step) and call one multi-tensor op."""
 
-    def _update(self, group, params, grads, ms, vs, step, grad_scale):
-        raise NotImplementedError
+    def _update(self, group, params, grads, ms, vs, step, grad_scale):  # pragma: no cover
+        """One multi-tensor call for one (device, dtype, step) bucket; subclasses define it."""
+        raise TypeError(f"{type(self).__name__} must define _update")
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0):

@@ -1,0 +1,30 @@
+// Scalar (baseline ISA): instantiation of the Adam kernels (adam_kernel.h) and of the
+// float64 sum of squares (megazero/sumsq_kernel.h).
+// System headers come first, outside the target region, so only megazero's own internal
+// functions are compiled for this ISA (see csrc/include/megazero/vec.h).
+#include <cstddef>
+#include <cstdint>
+
+#include "adam_api.h"
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#define MZ_ISA_SCALAR 1
+#include "adam_kernel.h"
+#include "megazero/sumsq_kernel.h"
+
+namespace megazero::adam {
+
+bool adam_units_scalar(const AdamConsts& c, const AdamSpan* spans, const WorkUnit* units,
+                       int64_t lo, int64_t hi) {
+  return adam_units(c, spans, units, lo, hi);
+}
+
+void sumsq_units_scalar(int dt, const void* const* spans, const WorkUnit* units, int64_t lo,
+                        int64_t hi, double* partial) {
+  sumsq_units(dt, spans, units, lo, hi, partial);
+}
+
+}  // namespace megazero::adam
+
+#pragma GCC pop_options
