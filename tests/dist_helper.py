@@ -34,6 +34,7 @@ def _worker(rank, world_size, port, conn, timeout_s):
                               timeout=datetime.timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        _share_process_groups()
         conn.send(("ready", None))
     except Exception:  # noqa: BLE001
         conn.send(("err", traceback.format_exc()))
@@ -59,6 +60,26 @@ def _worker(rank, world_size, port, conn, timeout_s):
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _share_process_groups():
+    """Every ``ParallelState.build`` creates its groups; over hundreds of tests a worker would
+    accumulate thousands of gloo threads (destroying a group does not stop them in torch
+    2.13), which busy the machine. Workers therefore reuse the group of a given rank list:
+    ``new_group`` is collective and every rank runs the same tasks, so all ranks hit and
+    miss this cache alike."""
+    import torch.distributed as dist
+
+    original = dist.new_group
+    cache = {}
+
+    def new_group(ranks=None, *args, **kwargs):
+        key = (None if ranks is None else tuple(ranks), args, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = original(ranks, *args, **kwargs)
+        return cache[key]
+
+    dist.new_group = new_group
 
 
 def _reset_process_state():
