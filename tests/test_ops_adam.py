@@ -111,9 +111,10 @@ def test_100_steps_match_torch(adam_w_mode, gen):
     ref = _run_steps(torch.optim.AdamW if adam_w_mode else torch.optim.Adam, theirs, steps,
                      **hyper)
     def close(a, b):
-        # relative 1e-6 of the tensor's largest value; a 0-d tensor whose value happens to be
-        # near zero (a moment crossing zero) gets an absolute floor of 1e-9 instead
-        return max_rel(a, b) < 1e-6 or float((a.double() - b.double()).abs().max()) < 1e-9
+        # relative 1e-6 of the tensor's largest value; a 0-d moment that ends small after
+        # passing through O(1) values carries an ulp of those (torch's own kernels order the
+        # arithmetic differently): an absolute floor of 1e-7, about one ulp of 1.0
+        return max_rel(a, b) < 1e-6 or float((a.double() - b.double()).abs().max()) < 1e-7
 
     for p, q in zip(ours, theirs):
         assert close(p.detach(), q.detach())
