@@ -25,6 +25,26 @@ def _disabled(name: str) -> bool:
     return "all" in names or name in names
 
 
+def _missing_reason(name: str, exc: ImportError) -> tuple[str, bool]:
+    """Why ``_<name>`` could not be imported, and whether that is expected on this machine.
+
+    CUDA kernels are never built against a CPU-only torch (setup.py skips them), so their
+    absence there is the expected state, not a broken install.
+    """
+    if name.endswith("_cuda"):
+        import torch
+
+        if torch.version.cuda is None:
+            return (f"CUDA kernels are not built with a CPU-only torch ({torch.__version__}); "
+                    "install a CUDA torch and nvcc of the same major version, then "
+                    "`pip install -e .`", True)
+        if not torch.cuda.is_available():
+            return ("not built (no GPU was visible at install; set TORCH_CUDA_ARCH_LIST and "
+                    "reinstall to build it)", True)
+    return (f"extension megazero.ops._{name} is not built ({exc}); reinstall with "
+            "`pip install -e .` (MEGAZERO_BUILD_OPS unset) to build it", False)
+
+
 def load_extension(name: str):
     """The compiled module ``megazero.ops._<name>``, or None (reason kept in ``status()``)."""
     if _disabled(name):
@@ -37,10 +57,10 @@ def load_extension(name: str):
         _STATUS[name] = {"built": True, "reason": ""}
     except ImportError as exc:
         module = None
-        reason = (f"extension megazero.ops._{name} is not built ({exc}); reinstall with "
-                  "`pip install -e .` (MEGAZERO_BUILD_OPS unset) to build it")
+        reason, expected = _missing_reason(name, exc)
         _STATUS[name] = {"built": False, "reason": reason}
-        logger.warning("megazero: %s; using the PyTorch reference path", reason)
+        log = logger.debug if expected else logger.warning
+        log("megazero: %s; using the PyTorch reference path", reason)
     _CACHE[name] = module
     return module
 
