@@ -21,6 +21,10 @@ measured forward/backward durations and the measured cost of one p2p exchange. W
 p2p cost it reproduces the theory exactly (printed as a check); with the measured cost it
 shows how much of the gap to the theory is communication latency.
 
+Overlap. Interleaved rows run with ``--overlap-p2p-communication`` off (``ovl no``: every
+exchange waited for after each step) and on (``ovl yes``: the activation exchange in flight
+during the backward, the gradient exchange during the next forward); 1F1B has no overlap.
+
 Real compute. One more row trains a small GPT-2 (``pretrain`` with ``--pipeline-trace``, mock
 data) on 2 stages, where both processes compute on this machine's shared cores; its model
 column uses each stage's own measured forward/backward times (the last stage also runs the
@@ -50,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megazero.pipeline_parallel import pipelined
+from megazero.pipeline_parallel import interleaved, pipelined
 from megazero.pipeline_parallel.p2p import P2P
 from megazero.pipeline_parallel.schedules import get_forward_backward_func
 from megazero.tools.pipeline_trace import bubble_fraction, theory_bubble, write_png
@@ -116,14 +120,15 @@ def make_chunks(ps, v, fwd_s, bwd_s):
                        fwd_s / v, bwd_s / v, SHAPE[-1]) for c in range(v)]
 
 
-def run_schedule(ps, chunks, m, trace=None):
+def run_schedule(ps, chunks, m, trace=None, overlap=False):
     """One iteration, called as training.train_step calls it."""
     v = len(chunks)
     fwd_bwd = get_forward_backward_func(ps.pp_size, v if v > 1 else None)
     data = itertools.repeat(torch.randn(SHAPE))
     return fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=chunks,
                    num_microbatches=m, ps=ps, loss_scale=1.0, no_sync=None,
-                   tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
+                   tensor_shape=SHAPE, dtype=torch.float32, trace=trace,
+                   overlap_p2p_comm=overlap)
 
 
 # ---- the measured runs (one process per stage) --------------------------------------------
@@ -159,15 +164,15 @@ def _worker(rank, world, port, configs, args, outdir):
     costs = []
     for rep in range(args.repeats):  # repeats outermost: machine noise spreads over configs
         costs.append(_p2p_cost(base))
-        for m, v in configs:
+        for m, v, o in configs:
             ps = dataclasses.replace(base, virtual_pp_size=v if v > 1 else None)
             chunks = make_chunks(ps, v, fwd_s, 2 * fwd_s)
             trace = PipelineTrace(ps)
             for it in range(1 + args.iters):  # iteration 0: warm-up, not measured
                 dist.barrier()
                 trace.begin_iteration(it)
-                run_schedule(ps, chunks, m, trace)
-            trace.save(os.path.join(outdir, f"p{world}_m{m}_v{v}_r{rep}.json"))
+                run_schedule(ps, chunks, m, trace, overlap=o)
+            trace.save(os.path.join(outdir, f"p{world}_m{m}_v{v}_o{int(o)}_r{rep}.json"))
     with open(os.path.join(outdir, f"p2p_p{world}_rank{rank}.json"), "w") as f:
         json.dump(costs, f)
     dist.destroy_process_group()
@@ -218,17 +223,26 @@ class _FakePS:
         return self.pp_rank == self.pp_size - 1
 
 
-def capture_program(p, rank, m, v):
-    """The sequence of ('F'|'B', microbatch, chunk) and ('X', sends, recvs) of one rank."""
+def capture_program(p, rank, m, v, overlap=False):
+    """The sequence of ('F'|'B', microbatch, chunk), ('P', id, sends, recvs) (an exchange
+    posted) and ('W', id) (waited for) of one rank."""
     program = []
 
+    class Pending:
+        def __init__(self, key, recv_prev, recv_next):
+            self.key, self.recv_prev, self.recv_next = key, recv_prev, recv_next
+
+        def wait(self):
+            program.append(("W", self.key))
+            prev = torch.zeros(SHAPE, requires_grad=True) if self.recv_prev else None
+            return prev, (torch.zeros(SHAPE) if self.recv_next else None)
+
     class Recorder(P2P):
-        def communicate(self, send_next=None, send_prev=None, recv_prev=False,
-                        recv_next=False):
-            program.append(("X", send_next is not None, send_prev is not None,
+        def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+            key = len(program)
+            program.append(("P", key, send_next is not None, send_prev is not None,
                             recv_prev, recv_next))
-            prev = torch.zeros(SHAPE, requires_grad=True) if recv_prev else None
-            return prev, (torch.zeros(SHAPE) if recv_next else None)
+            return Pending(key, recv_prev, recv_next)
 
     class Spans:
         def span(self, kind, microbatch, chunk=0):
@@ -236,21 +250,23 @@ def capture_program(p, rank, m, v):
             return contextlib.nullcontext()
 
     ps = _FakePS(p, rank, v if v > 1 else None)
-    with mock.patch.object(pipelined, "P2P", Recorder):
-        run_schedule(ps, make_chunks(ps, v, 0.0, 0.0), m, Spans())
+    with mock.patch.object(pipelined, "P2P", Recorder), \
+            mock.patch.object(interleaved, "P2P", Recorder):
+        run_schedule(ps, make_chunks(ps, v, 0.0, 0.0), m, Spans(), overlap=overlap)
     return program
 
 
-def simulate(p, m, v, fwd_s, bwd_s, cost_s):
+def simulate(p, m, v, fwd_s, bwd_s, cost_s, overlap=False):
     """Start/end of every forward/backward when each rank runs its captured program: compute
     takes fwd_s/bwd_s (per chunk; a number, or a list with one per rank), an exchange
     completes ``cost_s`` after the last of its own posting and its partners' (FIFO per
-    (src, dst, direction) channel). Returns a trace."""
+    (src, dst, direction) channel), and a wait returns when its exchange has completed.
+    Returns a trace."""
     fwd_s = fwd_s if isinstance(fwd_s, list) else [fwd_s] * p
     bwd_s = bwd_s if isinstance(bwd_s, list) else [bwd_s] * p
-    programs = [capture_program(p, r, m, v) for r in range(p)]
+    programs = [capture_program(p, r, m, v, overlap) for r in range(p)]
     posts = defaultdict(lambda: ([], []))  # channel -> (send post times, recv post times)
-    pos, clock, pending = [0] * p, [0.0] * p, [None] * p
+    pos, clock, pending = [0] * p, [0.0] * p, [{} for _ in range(p)]
     events = [[] for _ in range(p)]
     while any(pos[r] < len(programs[r]) for r in range(p)):
         progressed = False
@@ -264,14 +280,14 @@ def simulate(p, m, v, fwd_s, bwd_s, cost_s):
                                       "chunk": op[2], "start": clock[r],
                                       "end": clock[r] + dur})
                     clock[r] += dur
+                elif op[0] == "P":
+                    pending[r][op[1]] = _post(op[1:], r, p, clock[r], posts)
                 else:
-                    if pending[r] is None:
-                        pending[r] = _post(op, r, p, clock[r], posts)
-                    done = _completion(pending[r], posts)
+                    done = _completion(pending[r][op[1]], posts)
                     if done is None:
                         break  # a partner has not posted yet
-                    clock[r] = max(clock[r], done) + cost_s
-                    pending[r] = None
+                    clock[r] = max(clock[r], done + cost_s)
+                    del pending[r][op[1]]
                 pos[r] += 1
                 progressed = True
         if not progressed:
@@ -283,7 +299,7 @@ def simulate(p, m, v, fwd_s, bwd_s, cost_s):
 
 def _post(op, r, p, t, posts):
     """Register an exchange's sends/receives; return what it waits for."""
-    _, send_next, send_prev, recv_prev, recv_next = op
+    _, send_next, send_prev, recv_prev, recv_next = op  # (id, flags...)
     nxt, prv = (r + 1) % p, (r - 1) % p
     waits = []
     for active, channel, side in ((send_next, (r, nxt, "act"), 0),
@@ -327,15 +343,17 @@ def measure(traces, first, iters):
     return bubbles, fwd, bwd
 
 
-def _row(name, p, m, v, bubbles, fwd, bwd, cost):
+def _row(name, p, m, v, bubbles, fwd, bwd, cost, overlap=False):
     """Print one table row; return (measured, relative error against the theory)."""
     theory = theory_bubble(p, m, v)
-    model = statistics.mean(bubble_fraction(simulate(p, m, v, fwd, bwd, cost), 0).values())
+    model = statistics.mean(bubble_fraction(simulate(p, m, v, fwd, bwd, cost, overlap),
+                                            0).values())
     measured = statistics.median(bubbles)
     err = measured / theory - 1
     spread = f"({min(bubbles):.3f}-{max(bubbles):.3f})"
     times = f"{statistics.median(fwd) * 1e3:.1f}/{statistics.median(bwd) * 1e3:.1f}"
-    print(f"{name:<10}{p:>2}{m:>4}{v:>3}{times:>13}{theory:>8.3f}{model:>7.3f}"
+    ovl = "-" if v == 1 else ("yes" if overlap else "no")
+    print(f"{name:<10}{p:>2}{m:>4}{v:>3}{ovl:>5}{times:>13}{theory:>8.3f}{model:>7.3f}"
           f"{measured:>10.3f}{spread:>15}{err:>+11.1%}{measured / model - 1:>+10.1%}")
     return measured, err
 
@@ -347,6 +365,8 @@ def main():
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--virtual", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--overlap", choices=["both", "on", "off"], default="both",
+                        help="interleaved rows with --overlap-p2p-communication on, off or both")
     parser.add_argument("--iters", type=int, default=4, help="measured iterations per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per config, interleaved")
     parser.add_argument("--skip-real", action="store_true",
@@ -355,10 +375,12 @@ def main():
                         help="also draw this PNG of the p=4 m=8 1F1B run (last repeat)")
     args = parser.parse_args()
     outdir = tempfile.mkdtemp(prefix="bench_pipeline_")
-    configs = [(m, v) for v in args.virtual for m in args.micro_batches]
+    overlaps = {"both": [False, True], "on": [True], "off": [False]}[args.overlap]
+    configs = [(m, v, o) for v in args.virtual for o in (overlaps if v > 1 else [False])
+               for m in args.micro_batches]
     t_start = time.time()
     for p in args.pp:
-        run_world(p, [(m, v) for m, v in configs if v == 1 or m % p == 0], args, outdir)
+        run_world(p, [(m, v, o) for m, v, o in configs if v == 1 or m % p == 0], args, outdir)
     if not args.skip_real:
         run_world(2, None, args, outdir, worker=_real_worker)
     costs = []
@@ -376,25 +398,25 @@ def main():
           "F/B times and p2p cost;\nmeasured = idle/total per stage over the iteration, mean "
           "of stages, median (min-max) over iterations;\nvs theory, vs model = measured / "
           "theory - 1, measured / model - 1")
-    head = (f"{'stage':<10}{'p':>2}{'m':>4}{'v':>3}{'F/B ms':>13}{'theory':>8}{'model':>7}"
-            f"{'measured':>10}{'(min-max)':>15}{'vs theory':>11}{'vs model':>10}")
+    head = (f"{'stage':<10}{'p':>2}{'m':>4}{'v':>3}{'ovl':>5}{'F/B ms':>13}{'theory':>8}"
+            f"{'model':>7}{'measured':>10}{'(min-max)':>15}{'vs theory':>11}{'vs model':>10}")
     print(head)
     print("-" * len(head))
     worst, png_pick = 0.0, None
     for p in args.pp:
-        for m, v in configs:
+        for m, v, o in configs:
             if v > 1 and m % p:
                 continue
             # the schedule itself, replayed with zero p2p cost, gives exactly the theory
-            exact = simulate(p, m, v, args.fwd_ms / 1e3 / v, 2 * args.fwd_ms / 1e3 / v, 0.0)
+            exact = simulate(p, m, v, args.fwd_ms / 1e3 / v, 2 * args.fwd_ms / 1e3 / v, 0.0, o)
             check = statistics.mean(bubble_fraction(exact, 0).values())
             assert abs(check - theory_bubble(p, m, v)) < 1e-9, (p, m, v, check)
             traces = []
             for rep in range(args.repeats):
-                with open(os.path.join(outdir, f"p{p}_m{m}_v{v}_r{rep}.json")) as f:
+                with open(os.path.join(outdir, f"p{p}_m{m}_v{v}_o{int(o)}_r{rep}.json")) as f:
                     traces.append(json.load(f))
             bubbles, fwd, bwd = measure(traces, 1, args.iters)
-            measured, err = _row("synthetic", p, m, v, bubbles, fwd, bwd, cost)
+            measured, err = _row("synthetic", p, m, v, bubbles, fwd, bwd, cost, o)
             worst = max(worst, abs(err))
             if args.png and (p, m, v) == (4, 8, 1):
                 # draw the most typical iteration: the one nearest the median

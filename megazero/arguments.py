@@ -62,6 +62,13 @@ def _add_parallel_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--overlap-p2p-communication", dest="overlap_p2p_comm",
+                   action="store_true", default=True,
+                   help="interleaved schedule: keep each p2p exchange in flight during the "
+                        "other direction's compute (default)")
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm",
+                   action="store_false",
+                   help="interleaved schedule: wait for every exchange after each step")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
@@ -238,6 +245,7 @@ def namespace_to_config(ns: argparse.Namespace, world_size: int | None = None) -
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=v,
         sequence_parallel=ns.sequence_parallel,
+        overlap_p2p_comm=ns.overlap_p2p_comm,
         world_size=world_size,
         distributed_backend=ns.distributed_backend,
         distributed_timeout_minutes=ns.distributed_timeout_minutes,

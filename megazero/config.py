@@ -95,6 +95,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
+    overlap_p2p_comm: bool = True  # interleaved schedule: exchanges in flight during compute
     world_size: int = 1
     distributed_backend: str | None = None  # None: nccl with CUDA, else gloo
     distributed_timeout_minutes: float = 10.0

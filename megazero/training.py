@@ -106,16 +106,16 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     if ps.rank == 0:
         logger.info("setup done in %.1f s: %s, %d parameters on this rank", time.time() - start,
                     ps.describe(), sum(p.numel() for c in model for p in c.parameters()))
-    history = {"lm loss": [], "iterations": []}
+    history = {"lm loss": [], "iterations": [], "validation": []}
     if not config.train.skip_train and state.iteration < iters:
         _train(forward_step_func, model, optimizer, lr_scheduler, config, ps, tracker, timers,
                state, train_iter, valid_iter, iters, start, history)
     if config.train.eval_iters > 0 and valid_iter is not None:
-        evaluate_and_print(forward_step_func, valid_iter, model, config, ps,
-                           "the end of training for val data")
+        history["validation"].append(evaluate_and_print(
+            forward_step_func, valid_iter, model, config, ps, "the end of training for val data"))
     if config.train.eval_iters > 0 and test_iter is not None:
-        evaluate_and_print(forward_step_func, test_iter, model, config, ps,
-                           "the end of training for test data")
+        history["test"] = evaluate_and_print(forward_step_func, test_iter, model, config, ps,
+                                             "the end of training for test data")
     if config.train.save and state.iteration > 0 and not _saved_at(state, config):
         save(config, model, optimizer, lr_scheduler, ps, state, tracker)
     history.pop("tensorboard", None)
@@ -165,7 +165,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, config, ps, t
                      model=model, num_microbatches=config.num_microbatches, ps=ps,
                      loss_scale=optimizer.loss_scale, no_sync=optimizer.no_sync,
                      tensor_shape=_tensor_shape(config, ps),
-                     dtype=config.model.torch_dtype, trace=trace)
+                     dtype=config.model.torch_dtype, trace=trace,
+                     overlap_p2p_comm=config.parallel.overlap_p2p_comm)
     timers("forward-backward").stop()
     timers("optimizer").start()
     optimizer.finish_grad_sync()
@@ -225,8 +226,8 @@ def _train(forward_step_func, model, optimizer, lr_scheduler, config, ps, tracke
             save(config, model, optimizer, lr_scheduler, ps, state, tracker)
         if (tcfg.eval_iters > 0 and valid_iter is not None
                 and state.iteration % tcfg.eval_interval == 0 and state.iteration < iters):
-            evaluate_and_print(forward_step_func, valid_iter, model, config, ps,
-                               f"iteration {state.iteration}")
+            history["validation"].append(evaluate_and_print(
+                forward_step_func, valid_iter, model, config, ps, f"iteration {state.iteration}"))
             for chunk in model:
                 chunk.train()
         if _should_exit(config, ps, state, start):
@@ -351,7 +352,8 @@ def evaluate(forward_step_func, data_iterator, model, config, ps) -> dict:
         losses = fwd_bwd(forward_step_func=forward_step_func, data_iterator=data_iterator,
                          model=model, num_microbatches=config.num_microbatches, ps=ps,
                          forward_only=True, tensor_shape=_tensor_shape(config, ps),
-                         dtype=config.model.torch_dtype)
+                         dtype=config.model.torch_dtype,
+                         overlap_p2p_comm=config.parallel.overlap_p2p_comm)
         for k, v in _reduce_losses(losses, ps).items():
             totals[k] = totals.get(k, 0.0) + v / config.train.eval_iters
     return totals

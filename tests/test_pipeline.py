@@ -27,6 +27,7 @@ def single_process_run():
     (PP2, 4),  # pp2 x dp2
     (PP2 + " --tensor-model-parallel-size 2 --sequence-parallel", 8),  # tp2 x pp2 x dp2
     (PP2 + " --num-layers-per-virtual-pipeline-stage 1", 2),  # interleaved, 2 chunks/rank
+    (PP2 + " --num-layers-per-virtual-pipeline-stage 1 --no-overlap-p2p-communication", 2),
 ])
 def test_pipeline_layouts_match_single_process(single_process_run, argv, world):
     run = run_training(TINY + ITERS + argv, world)
@@ -39,6 +40,20 @@ def test_interleaved_four_stages_matches():
     run = run_training(tiny8 + " --train-iters 3 --pipeline-model-parallel-size 4 "
                        "--num-layers-per-virtual-pipeline-stage 1", 4)
     assert_same_run(run, base, what="pp4 x 2 chunks")
+
+
+@pytest.mark.parametrize("overlap", ["", " --no-overlap-p2p-communication"])
+def test_interleaved_evaluation_with_more_microbatches_than_stages(overlap):
+    """Evaluation (forward only) runs every virtual micro-batch as warmup, as Megatron."""
+    evals = TINY.replace("--eval-iters 0", "--eval-iters 2 --eval-interval 2")
+    base = run_training(evals + " --train-iters 4", 1)
+    run = run_training(evals + " --train-iters 4" + PP2 +
+                       " --num-layers-per-virtual-pipeline-stage 1" + overlap, 2)
+    assert_same_run(run, base, what="interleaved with evaluation" + overlap)
+    evals = [r["history"]["validation"] for r in (run[2][-1], base[2][-1])]
+    assert len(evals[0]) == len(evals[1]) == 2, evals
+    for got, want in zip(*evals):
+        assert got["lm loss"] == pytest.approx(want["lm loss"], rel=1e-5), evals
 
 
 def expected_1f1b(p, r, m):
@@ -86,6 +101,26 @@ def p2p_case(variable):
     assert_close(from_next, other * 10, rtol=0, atol=0, what="gradient")
     assert from_prev.requires_grad and not from_next.requires_grad
     return True
+
+
+def p2p_pending_case():
+    ps = ParallelState.build(pp_size=2)
+    p2p = P2P(ps, (3, 2, 4))
+    mine = [torch.full((3, 2, 4), float(10 * ps.pp_rank + k)) for k in range(3)]
+    # two activation exchanges and one gradient exchange in flight at once, waited out of order
+    act = [p2p.post(send_next=mine[k], recv_prev=True) for k in range(2)]
+    grad = p2p.post(send_prev=mine[2], recv_next=True)
+    other = 10 * (1 - ps.pp_rank)
+    assert torch.equal(grad.wait()[1], torch.full((3, 2, 4), float(other + 2)))
+    for k in (1, 0):
+        received = act[k].wait()[0]
+        assert received.requires_grad
+        assert torch.equal(received.detach(), torch.full((3, 2, 4), float(other + k)))
+    return True
+
+
+def test_p2p_exchanges_in_flight_complete_in_any_order():
+    assert all(run_distributed(p2p_pending_case, 2))
 
 
 @pytest.mark.parametrize("variable", [False, True])

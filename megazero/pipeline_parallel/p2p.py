@@ -7,6 +7,8 @@ exchange all activation operations are posted before all gradient operations, so
 of ranks matches messages in the same order on both sides even when ``prev == next``
 (two stages). All operations of an exchange are posted at once (``batch_isend_irecv``, which
 gloo and NCCL both accept) and waited together: no ordering of blocking calls can deadlock.
+``post`` returns the exchange in flight (the overlapped interleaved schedule waits for it only
+when the received tensor is needed); ``communicate`` posts and waits.
 
 Shapes are fixed per run (``[s, b, h]``) unless ``variable_shapes`` is set, then each tensor is
 preceded by a small shape message.
@@ -25,6 +27,22 @@ ACT_TAG, GRAD_TAG, SHAPE_TAG_OFFSET = (1 << 29) + 1, (1 << 29) + 2, 10
 MAX_DIMS = 8
 
 
+class PendingExchange:
+    """Posted sends/receives of one exchange; ``wait()`` completes them (once)."""
+
+    def __init__(self, reqs, tensors, from_prev=None, from_next=None):
+        self.reqs, self.tensors = reqs, tensors  # tensors: keep send buffers alive
+        self.from_prev, self.from_next = from_prev, from_next
+
+    def wait(self):
+        for req in self.reqs:
+            req.wait()
+        self.reqs, self.tensors = [], []
+        if self.from_prev is not None:
+            self.from_prev.requires_grad_(True)
+        return self.from_prev, self.from_next
+
+
 class P2P:
     """Send/recv helpers of one rank, for fixed ``shape`` and ``dtype`` activations."""
 
@@ -35,9 +53,10 @@ class P2P:
         self.variable_shapes = variable_shapes or self.shape is None
 
     # ---- the one primitive ---------------------------------------------------------------
-    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        """Send to next/prev and receive from prev/next in one batch; returns
-        ``(from_prev, from_next)`` (None where nothing was received)."""
+    def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """Post sends to next/prev and receives from prev/next in one batch, without waiting;
+        ``.wait()`` on the result returns ``(from_prev, from_next)`` (None where nothing was
+        received). Send tensors are kept alive by the pending exchange until it is waited."""
         ps = self.ps
         if self.variable_shapes:
             prev_shape, next_shape = self._exchange_shapes(send_next, send_prev, recv_prev,
@@ -63,10 +82,12 @@ class P2P:
         if recv_next:
             from_next = self._empty(next_shape)
             ops.append(self._op(dist.irecv, from_next, ps.next_rank, GRAD_TAG))
-        self._run(ops)
-        if from_prev is not None:
-            from_prev.requires_grad_(True)
-        return from_prev, from_next
+        reqs = dist.batch_isend_irecv([op for op, _ in ops]) if ops else []
+        return PendingExchange(reqs, [t for _, t in ops], from_prev, from_next)
+
+    def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        """``post(...)`` and wait: returns ``(from_prev, from_next)``."""
+        return self.post(send_next, send_prev, recv_prev, recv_next).wait()
 
     def _op(self, fn, tensor, peer, tag):
         nbytes = tensor.numel() * tensor.element_size()
@@ -79,11 +100,8 @@ class P2P:
 
     @staticmethod
     def _run(ops):
-        if not ops:
-            return
-        reqs = dist.batch_isend_irecv([op for op, _ in ops])
-        for req in reqs:
-            req.wait()
+        if ops:
+            PendingExchange(dist.batch_isend_irecv([op for op, _ in ops]), []).wait()
 
     def _empty(self, shape):
         return torch.empty(shape, dtype=self.dtype, device=self.device)

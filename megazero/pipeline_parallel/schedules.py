@@ -7,7 +7,8 @@
 * ``forward_backward_pipelining_without_interleaving``: 1F1B. Warmup of ``pp - rank - 1``
   forwards, a steady phase alternating one forward and one backward, a cooldown of backwards.
 * ``forward_backward_pipelining_with_interleaving``: each rank holds ``v`` model chunks
-  (virtual stages); the same three phases over ``v * m`` chunk-micro-batches.
+  (virtual stages); the same three phases over ``v * m`` chunk-micro-batches, with the
+  p2p exchanges optionally overlapped with compute (``overlap_p2p_comm``).
 
 Every schedule takes the same keyword arguments and returns, on the last stage, the list of
 per-micro-batch loss dicts (empty elsewhere). ``forward_step_func(data_iterator, model)``
@@ -41,6 +42,7 @@ class ScheduleContext:
     tensor_shape: tuple | None = None  # (s, b, h) activation shape between stages
     dtype: torch.dtype = torch.float32
     trace: object = None  # optional PipelineTrace
+    overlap_p2p_comm: bool = False  # interleaved: exchanges in flight during compute
     losses: list = field(default_factory=list)
 
 
@@ -100,8 +102,8 @@ def forward_backward_no_pipelining(**kwargs):
 def get_forward_backward_func(pp_size: int, virtual_pp_size: int | None = None):
     if pp_size == 1:
         return forward_backward_no_pipelining
-    from megazero.pipeline_parallel import pipelined
+    from megazero.pipeline_parallel import interleaved, pipelined
 
     if virtual_pp_size is not None and virtual_pp_size > 1:
-        return pipelined.forward_backward_pipelining_with_interleaving
+        return interleaved.forward_backward_pipelining_with_interleaving
     return pipelined.forward_backward_pipelining_without_interleaving
