@@ -11,13 +11,16 @@ saved at any tp/pp/dp/ZeRO layout: ``checkpointing.load_checkpoint`` loads it di
 layout matches and through ``reshard.load_resharded`` otherwise (``--iteration`` always goes
 through the latter).
 
-Each step runs the whole context again (no KV cache: fine for the small models megazero trains
-on CPU, quadratic in the length for big ones). The vocab-parallel logits of the last position
+The prompt runs once and fills a KV cache (each rank keeps the keys and values of its own
+heads); every later step runs only the new token against the cache, so a step costs one
+token's forward instead of the whole context's (``--no-kv-cache`` recomputes the whole context
+at every step, for comparison). The vocab-parallel logits of the last position
 are all-gathered over tp, the padded vocabulary ids are masked, then temperature, top-k and
 top-p (nucleus) filtering apply to the full logits and the token is drawn from a generator
 seeded with ``--seed``: every tp rank computes the same logits and draws the same token (tp
 rank 0's token is broadcast as well, so the ranks can never drift). The context is cut from
-the left to ``max_position_embeddings`` tokens when it grows longer (noted once).
+the left to ``max_position_embeddings`` tokens when it grows longer (noted once); positions
+then shift, so from there on each step recomputes the cut context without the cache.
 
 The tokenizer is the checkpoint's (``data.tokenizer_type`` and its files, e.g. the default
 corpus's SentencePiece model in the cache; ids separated by spaces for --mock-data runs);
@@ -42,7 +45,7 @@ from megazero.checkpointing import load_checkpoint, read_tracker
 from megazero.config import MegazeroConfig
 from megazero.data_setup import NullTokenizer
 from megazero.initialize import init_distributed, launched_by_torchrun
-from megazero.model import build_gpt_model_chunks
+from megazero.model import KVCache, build_gpt_model_chunks
 from megazero.parallel_state import ParallelState
 from megazero.reshard import load_resharded
 from megazero.tensor_parallel.mappings import gather_from_tp_region
@@ -148,11 +151,13 @@ def build_generation_tokenizer(config: MegazeroConfig, overrides: dict | None = 
 
 
 @torch.no_grad()
-def next_logits(model, ps: ParallelState, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Full logits ``[b, V]`` (padded ids masked to -inf) of the last position of ``ids``."""
-    s = ids.shape[1]
-    position_ids = torch.arange(s, device=ids.device).unsqueeze(0).expand_as(ids)
-    logits = model(ids, position_ids)[:, -1, :]  # [b, Vp/tp]
+def next_logits(model, ps: ParallelState, ids: torch.Tensor, vocab_size: int,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+    """Full logits ``[b, V]`` (padded ids masked to -inf) of the last position of ``ids``;
+    with ``kv_cache``, ``ids`` are the positions after the cached ones."""
+    s, start = ids.shape[1], kv_cache.offset if kv_cache is not None else 0
+    position_ids = torch.arange(start, start + s, device=ids.device).unsqueeze(0).expand_as(ids)
+    logits = model(ids, position_ids, kv_cache=kv_cache)[:, -1, :]  # [b, Vp/tp]
     logits = gather_from_tp_region(logits.contiguous(), ps.tp_group).float()  # [b, Vp]
     logits[:, vocab_size:] = float("-inf")
     return logits
@@ -162,7 +167,7 @@ def next_logits(model, ps: ParallelState, ids: torch.Tensor, vocab_size: int) ->
 def generate(model, ps: ParallelState, config: MegazeroConfig, prompt_ids: list[int], *,
              max_new_tokens: int, greedy: bool = False, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 1234,
-             eod: int | None = None) -> list[int]:
+             eod: int | None = None, use_kv_cache: bool = True) -> list[int]:
     """The generated ids (without the prompt); stops early at ``eod`` when given."""
     max_pos = config.model.max_position_embeddings
     vocab = config.model.vocab_size
@@ -170,14 +175,20 @@ def generate(model, ps: ParallelState, config: MegazeroConfig, prompt_ids: list[
     ids = list(prompt_ids)
     out: list[int] = []
     noted = False
+    cache = KVCache(max_pos) if use_kv_cache else None
     for _ in range(max_new_tokens):
-        context = ids[-max_pos:]
-        if len(context) < len(ids) and not noted:
-            noted = True
-            logger.warning("note: the context exceeds max_position_embeddings (%d); keeping "
-                           "its last %d tokens", max_pos, max_pos)
-        x = torch.tensor([context], dtype=torch.long, device=ps.device)
-        logits = next_logits(model, ps, x, vocab).cpu()
+        if cache is not None and len(ids) <= max_pos:
+            new = ids[cache.offset:]  # the prompt first, then one token per step
+            x = torch.tensor([new], dtype=torch.long, device=ps.device)
+            logits = next_logits(model, ps, x, vocab, cache).cpu()
+        else:
+            context = ids[-max_pos:]
+            if len(context) < len(ids) and not noted:
+                noted = True
+                logger.warning("note: the context exceeds max_position_embeddings (%d); "
+                               "keeping its last %d tokens", max_pos, max_pos)
+            x = torch.tensor([context], dtype=torch.long, device=ps.device)
+            logits = next_logits(model, ps, x, vocab).cpu()
         token = sample(logits, greedy=greedy, temperature=temperature, top_k=top_k,
                        top_p=top_p, generator=generator)
         if ps.tp_size > 1:  # identical on every rank already; keep it so whatever happens
@@ -208,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ignore-eod", action="store_true",
                    help="keep generating after an end-of-document token")
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="recompute the whole context at every step")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None,
                    help="under torchrun; default: the world size")
     p.add_argument("--device", default=None, help="one process: cpu or cuda (default: cpu)")
@@ -237,7 +250,8 @@ def run(argv=None) -> dict:
     prompt_ids = tokenizer.tokenize(a.prompt) if a.prompt else [tokenizer.eod]
     ids = generate(model, ps, config, prompt_ids, max_new_tokens=a.max_new_tokens,
                    greedy=a.greedy, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                   seed=a.seed, eod=None if a.ignore_eod else tokenizer.eod)
+                   seed=a.seed, eod=None if a.ignore_eod else tokenizer.eod,
+                   use_kv_cache=a.kv_cache)
     full = tokenizer.detokenize(prompt_ids + ids) if a.prompt else tokenizer.detokenize(ids)
     return {"prompt_ids": prompt_ids, "ids": ids, "text": tokenizer.detokenize(ids),
             "full_text": full, "rank": ps.rank}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megazero.generate import filter_logits, run, sample
+from tests.common import assert_close
 from tests.dist_helper import run_distributed
 from tests.train_helper import TINY, run_training
 
@@ -87,3 +88,48 @@ def test_sampling_is_reproducible_and_context_is_cut(tp2_checkpoint):
     assert b["ids"] != a["ids"]
     older = run(["--load", tp2_checkpoint, "--iteration", "2"] + GREEDY)  # not the tracker's
     assert len(older["ids"]) == 8
+
+
+def kv_cache_case(tp):
+    """Logits of every position: the whole sequence at once vs the prompt, then a chunk of
+    several positions, then one position at a time through the KV cache."""
+    from megazero.config import ModelConfig
+    from megazero.generate import next_logits
+    from megazero.model import GPTModel, KVCache
+    from megazero.parallel_state import ParallelState
+
+    ps = ParallelState.build(tp_size=tp)
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=90,
+                      make_vocab_size_divisible_by=8, seq_length=16,
+                      max_position_embeddings=16, init_method_std=0.3)
+    model = GPTModel(cfg, ps, seed=11).eval()
+    ids = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(3))
+    full = [next_logits(model, ps, ids[:, :n], 90) for n in range(1, 17)]
+    cache, got = KVCache(16), []
+    for a, b in [(0, 5), (5, 9)] + [(n, n + 1) for n in range(9, 16)]:
+        got.append(next_logits(model, ps, ids[:, a:b], 90, cache))
+    assert cache.offset == 16
+    want = [full[b - 1] for _, b in [(0, 5), (5, 9)] + [(n, n + 1) for n in range(9, 16)]]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, rtol=1e-5, atol=1e-5, what=f"step {i}")
+    with pytest.raises(ValueError, match="cannot hold 17"):
+        next_logits(model, ps, ids[:, :1], 90, cache)
+    return True
+
+
+def test_kv_cache_matches_the_full_forward_tp1():
+    assert kv_cache_case(1)
+
+
+def test_kv_cache_matches_the_full_forward_tp2():
+    assert all(run_distributed(kv_cache_case, 2, 2))
+
+
+def test_cli_with_and_without_kv_cache_agree(tp2_checkpoint):
+    greedy = ["--load", tp2_checkpoint] + GREEDY
+    assert run(greedy)["ids"] == run(greedy + ["--no-kv-cache"])["ids"]
+    # sampling past max_position_embeddings: the cache serves the first 16 positions, then
+    # the cut context is recomputed at every step
+    argv = ["--load", tp2_checkpoint, "--prompt", "1 2 3 4", "--max-new-tokens", "20",
+            "--temperature", "0.9", "--top-k", "20", "--seed", "7", "--ignore-eod"]
+    assert run(argv)["ids"] == run(argv + ["--no-kv-cache"])["ids"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megazero.config import ModelConfig
 from megazero.model.gpt2 import GPTModel, stage_layer_numbers
+from megazero.model.transformer import KVCache
 from megazero.parallel_state import ParallelState
 
 
@@ -29,4 +30,4 @@ def build_gpt_model_chunks(config: ModelConfig, ps: ParallelState, *, tracker=No
     return chunks
 
 
-__all__ = ["GPTModel", "build_gpt_model_chunks", "stage_layer_numbers"]
+__all__ = ["GPTModel", "KVCache", "build_gpt_model_chunks", "stage_layer_numbers"]

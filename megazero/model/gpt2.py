@@ -149,12 +149,13 @@ class GPTModel(nn.Module):
         return units
 
     # ---- forward -------------------------------------------------------------------------
-    def _run_layers(self, x, attention_mask):
+    def _run_layers(self, x, attention_mask, kv_cache=None):
         layers = list(self.layers.values())
         cfg = self.config
-        if not (cfg.recompute_activations and self.training):
+        if kv_cache is not None or not (cfg.recompute_activations and self.training):
             for layer in layers:
-                x = layer(x, attention_mask)
+                x = layer(x, attention_mask) if kv_cache is None \
+                    else layer(x, attention_mask, kv_cache=kv_cache)
             return x
         group = self.ps.tp_group if cfg.partition_activations else None
         chunk = cfg.recompute_num_layers
@@ -169,20 +170,31 @@ class GPTModel(nn.Module):
             x = checkpoint(run, x, tracker=self.tracker, partition_group=group)
         return x
 
-    def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None):
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None,
+                kv_cache=None):
         """First stage: ids ``[b, s]``; other stages: the tensor from ``set_input_tensor``.
 
         Returns the per-token loss ``[b, s]`` (last stage, with labels), the vocab-parallel
         logits ``[b, s, Vp/tp]`` (last stage, no labels) or the hidden states ``[s, b, h]``
-        for the next stage.
+        for the next stage. With ``kv_cache`` (a ``KVCache``; inference, no sequence
+        parallelism) the ids are the positions after those already cached, and
+        ``position_ids`` must number them from ``kv_cache.offset``.
         """
+        if kv_cache is not None:
+            if self.sequence_parallel:
+                raise ValueError("a KV cache needs the model built without sequence "
+                                 "parallelism")
+            kv_cache.reserve(input_ids.shape[1] if self.pre_process
+                             else self.input_tensor.shape[0])
         if self.pre_process:
             x = self.embedding(input_ids, position_ids)
         else:
             x = self.input_tensor
             if x is None:
                 raise RuntimeError("pipeline stage called without set_input_tensor()")
-        x = self._run_layers(x, attention_mask)
+        x = self._run_layers(x, attention_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(x.shape[0])
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,6 +25,42 @@ from megazero.config import ModelConfig
 from megazero.model.fused import LayerNorm, bias_dropout_add, bias_gelu
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_normal
 from megazero.tensor_parallel.random import RNGStatesTracker
+
+
+class KVCache:
+    """Keys and values of the positions already processed, for incremental decoding.
+
+    One pair of buffers per attention module, ``[b, heads / tp, max_len, head_dim]`` (this
+    rank's heads), filled from ``offset``; the model advances ``offset`` after each forward.
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len, self.offset = max_len, 0
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def extend(self, owner, k, v):
+        """Store ``k, v`` ``[b, np, s, hn]`` at the next positions; return all keys and values
+        so far, ``[b, np, offset + s, hn]``."""
+        b, heads, s, hn = k.shape
+        end = self.reserve(s)
+        if id(owner) not in self._buffers:
+            shape = (b, heads, self.max_len, hn)
+            self._buffers[id(owner)] = (k.new_empty(shape), v.new_empty(shape))
+        kb, vb = self._buffers[id(owner)]
+        kb[:, :, self.offset:end] = k
+        vb[:, :, self.offset:end] = v
+        return kb[:, :, :end], vb[:, :, :end]
+
+    def reserve(self, s: int) -> int:
+        """Check that ``s`` more positions fit; return the end position."""
+        end = self.offset + s
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions cannot hold {end} "
+                             f"({self.offset} cached + {s} new)")
+        return end
+
+    def advance(self, s: int):
+        self.offset += s
 
 
 def output_init_std(config: ModelConfig) -> float:
@@ -56,11 +93,23 @@ class ParallelAttention(nn.Module):
             skip_bias_add=True, sequence_parallel=sequence_parallel,
             init_method=init_normal(output_init_std(config)), params_dtype=dtype, device=device)
 
-    def forward(self, x, attention_mask=None):
+    def forward(self, x, attention_mask=None, kv_cache: KVCache | None = None):
         mixed, _ = self.qkv(x)  # [s, b, 3 * np * hn]
         s, b = mixed.shape[0], mixed.shape[1]
         mixed = mixed.view(s, b, self.heads_per_rank, 3, self.head_dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.unbind(dim=3))  # [b, np, s, hn]
+        if kv_cache is not None and kv_cache.offset > 0:
+            if attention_mask is not None:
+                raise ValueError("a KV cache is for causal decoding without attention masks")
+            past = kv_cache.offset
+            k, v = kv_cache.extend(self, k, v)  # [b, np, past + s, hn]
+            # new position i (absolute past + i) sees keys 0..past + i
+            keep = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(past)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # [b, np, s, hn]
+            ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+            return self.proj(ctx)
+        if kv_cache is not None:
+            kv_cache.extend(self, k, v)  # the prompt: plain causal attention below
         p = self.dropout_p if self.training else 0.0
         fork = self.tracker.fork() if (self.tracker is not None and p > 0) \
             else contextlib.nullcontext()
@@ -124,9 +173,10 @@ class TransformerLayer(nn.Module):
             return self.tracker.fork()
         return contextlib.nullcontext()
 
-    def forward(self, x, attention_mask=None):
+    def forward(self, x, attention_mask=None, kv_cache: KVCache | None = None):
         p, training = self.hidden_dropout, self.training
-        attn_out, attn_bias = self.attention(self.input_layernorm(x), attention_mask)
+        attn_out, attn_bias = self.attention(self.input_layernorm(x), attention_mask,
+                                             kv_cache=kv_cache)
         with self._dropout_region():
             x = bias_dropout_add(attn_out, attn_bias, x, p, training, self.fused_bda)
         mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(x))
