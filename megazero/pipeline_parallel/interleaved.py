@@ -26,8 +26,12 @@ around between the last and the first rank) are computed by the same rules in bo
 from __future__ import annotations
 
 from megazero.pipeline_parallel.p2p import P2P
-from megazero.pipeline_parallel.pipelined import _SyncControl
-from megazero.pipeline_parallel.schedules import ScheduleContext, backward_step, forward_step
+from megazero.pipeline_parallel.schedules import (
+    GradSyncControl,
+    ScheduleContext,
+    backward_step,
+    forward_step,
+)
 
 
 class _Interleaved:
@@ -41,7 +45,7 @@ class _Interleaved:
             raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) "
                              f"to be a multiple of --pipeline-model-parallel-size ({p})")
         self.p2p = P2P(ps, ctx.tensor_shape, ctx.dtype)
-        self.sync = _SyncControl(ctx)
+        self.sync = GradSyncControl(ctx)
         self.total = m * v
         self.iters = ctx.data_iterator if isinstance(ctx.data_iterator, list) \
             else [ctx.data_iterator] * v

@@ -14,22 +14,13 @@ Gradient reduction hooks are held back (``no_sync``) until the last backward of 
 
 from __future__ import annotations
 
-import contextlib
-
 from megazero.pipeline_parallel.p2p import P2P
-from megazero.pipeline_parallel.schedules import ScheduleContext, backward_step, forward_step
-
-
-class _SyncControl:
-    """Enter ``no_sync`` for the whole schedule; leave it before the last backward."""
-
-    def __init__(self, ctx: ScheduleContext):
-        self.stack = contextlib.ExitStack()
-        if ctx.no_sync is not None and not ctx.forward_only:
-            self.stack.enter_context(ctx.no_sync())
-
-    def release(self):
-        self.stack.close()
+from megazero.pipeline_parallel.schedules import (
+    GradSyncControl,
+    ScheduleContext,
+    backward_step,
+    forward_step,
+)
 
 
 def _p2p(ctx: ScheduleContext) -> P2P:
@@ -41,7 +32,7 @@ def forward_backward_pipelining_without_interleaving(**kwargs):
     (model,) = ctx.model
     ps, m = ctx.ps, ctx.num_microbatches
     p2p = _p2p(ctx)
-    sync = _SyncControl(ctx)
+    sync = GradSyncControl(ctx)
     num_warmup = min(ps.pp_size - ps.pp_rank - 1, m)
     num_steady = m - num_warmup
     inputs, outputs = [], []

@@ -46,6 +46,18 @@ class ScheduleContext:
     losses: list = field(default_factory=list)
 
 
+class GradSyncControl:
+    """Enter ``no_sync`` for the whole schedule; leave it before the last backward."""
+
+    def __init__(self, ctx: ScheduleContext):
+        self.stack = contextlib.ExitStack()
+        if ctx.no_sync is not None and not ctx.forward_only:
+            self.stack.enter_context(ctx.no_sync())
+
+    def release(self):
+        self.stack.close()
+
+
 def _trace(ctx: ScheduleContext, kind: str, microbatch: int, chunk: int = 0):
     if ctx.trace is None:
         return contextlib.nullcontext()
