@@ -56,3 +56,33 @@ def test_zero2_mlp_example_under_torchrun():
                "20"], {})
     assert "step   20 | loss" in out
     assert out.count("bytes of model states") == 2
+
+
+def lm_losses(out):
+    """The ``lm loss`` values of the Megatron log lines, by iteration."""
+    return {int(line.split("iteration")[1].split("/")[0]):
+            float(line.split(" lm loss: ")[1].split(" |")[0])
+            for line in out.splitlines() if line.startswith(" iteration") and " lm loss: " in line}
+
+
+def test_cli_log_lines_match_the_single_process_run_at_other_layouts():
+    """What users (and the independent checks) compare: pretrain_gpt2.py's ``lm loss`` lines
+    under torchrun at several layouts against one process, with the same flags and seed."""
+    flags = ["pretrain_gpt2.py", "--mock-data", "--vocab-size", "128", "--num-layers", "4",
+             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
+             "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
+             "--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "1.0"]
+    base = lm_losses(run([sys.executable, *flags], {}))
+    assert sorted(base) == [1, 2, 3, 4]
+    for layout in (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                   ["--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1"],
+                   ["--zero-stage", "3"]):
+        out = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", str(free_port()), *flags, *layout], {})
+        got = lm_losses(out)
+        assert got.keys() == base.keys(), (layout, out[-2000:])
+        for it, loss in base.items():
+            assert abs(got[it] - loss) <= 1e-5 * abs(loss), (layout, it, got[it], loss)
