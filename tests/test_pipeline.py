@@ -85,10 +85,11 @@ def test_1f1b_order_and_in_flight_bound(tmp_path):
         assert peak == min(p - r["pp_rank"], m) <= p
 
 
-def p2p_case(variable):
+def p2p_case(variable, batched):
     ps = ParallelState.build(pp_size=2)
     shape = (3, 2, 4) if not variable else ((5, 1) if ps.is_first_stage else (2, 7))
     p2p = P2P(ps, None if variable else shape, variable_shapes=variable)
+    p2p._batched = batched  # NCCL's path (one batch_isend_irecv), or ops posted one by one
     gen = torch.Generator().manual_seed(ps.pp_rank)
     act = torch.randn(shape, generator=gen)
     # both directions at once between the same two ranks (prev == next): tags keep them apart
@@ -124,8 +125,9 @@ def test_p2p_exchanges_in_flight_complete_in_any_order():
 
 
 @pytest.mark.parametrize("variable", [False, True])
-def test_p2p_both_directions_between_two_stages(variable):
-    assert all(run_distributed(p2p_case, 2, variable))
+@pytest.mark.parametrize("batched", [False, True])
+def test_p2p_both_directions_between_two_stages(variable, batched):
+    assert all(run_distributed(p2p_case, 2, variable, batched))
 
 
 def test_resume_with_pp2_is_exact(tmp_path):
