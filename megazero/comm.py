@@ -245,8 +245,8 @@ def all_gather_object(obj, group=None) -> list:
     out = torch.empty(n * padded.numel(), dtype=torch.uint8)
     all_gather_into(out, padded, group)
     chunks = out.view(n, -1)
-    return [torch.load(io.BytesIO(chunks[i, :int(sizes[i])].numpy().tobytes()),
-                       weights_only=True) for i in range(n)]
+    blobs = [io.BytesIO(chunks[i, :int(sizes[i])].numpy().tobytes()) for i in range(n)]
+    return [torch.load(blob, weights_only=True) for blob in blobs]
 
 
 def barrier(group=None) -> None:

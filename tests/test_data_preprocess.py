@@ -118,7 +118,7 @@ def test_cli(tmp_path, bpe):
            "--append-eod", "--workers", "1", "--log-interval", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert "processed 2 documents" in run.stderr and "cli_text_document" in run.stdout
+    assert "processed 2 documents" in run.stderr and "cli_text_document" in run.stderr
     assert len(MMapIndexedDataset(str(tmp_path / "cli_text_document"))) == 4
     with open(src, "a", encoding="utf-8") as f:
         f.write("{broken\n")

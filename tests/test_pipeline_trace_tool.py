@@ -86,8 +86,9 @@ def test_chrome_trace_structure():
                                                                    "B1.c0"}
 
 
-def test_cli_writes_chrome_and_png(trace_file, tmp_path, capsys):
+def test_cli_writes_chrome_and_png(trace_file, tmp_path, caplog):
     pytest.importorskip("matplotlib")
+    caplog.set_level("INFO", logger="megazero.tools.pipeline_trace")
     chrome, png = tmp_path / "out.json", tmp_path / "out.png"
     assert tool.main([str(trace_file), "--chrome", str(chrome), "--png", str(png),
                       "--iteration", "1"]) == 0
@@ -95,8 +96,8 @@ def test_cli_writes_chrome_and_png(trace_file, tmp_path, capsys):
                 if e["ph"] == "X"]) == 4 * 4
     data = png.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 1000
-    out = capsys.readouterr().out
-    assert "p=2 m=2 v=1" in out and "33.3%" in out
+    out = caplog.text
+    assert "p=2 m=2 v=1" in out and "33.3%" in out and f"wrote {png}" in out
     # no output flags: both files beside the input
     assert tool.main([str(trace_file)]) == 0
     assert (tmp_path / "trace.chrome.json").exists()

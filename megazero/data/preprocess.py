@@ -23,7 +23,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -280,11 +279,12 @@ def main(argv=None) -> int:
                            chunk_size=args.chunk_size, log_interval=args.log_interval,
                            skip_bad_lines=args.skip_bad_lines)
     except (PreprocessError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        logger.error("error: %s", exc)
         return 1
     for key in args.json_keys:
-        print(f"wrote {args.output_prefix}_{key}_document.bin/.idx")
-    print(f"{stats.documents} documents, {stats.tokens} tokens, {stats.skipped} skipped")
+        logger.info("wrote %s_%s_document.bin/.idx", args.output_prefix, key)
+    logger.info("%d documents, %d tokens, %d skipped", stats.documents, stats.tokens,
+                stats.skipped)
     return 0
 
 

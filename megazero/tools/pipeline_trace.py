@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from collections import defaultdict
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "megazero-pipeline-trace-v1"
 COLORS = {  # (kind, chunk parity) -> colour: darker for even chunks, lighter for odd ones
@@ -293,6 +296,7 @@ def main(argv=None) -> int:
     parser.add_argument("--all-ranks", action="store_true",
                         help="one PNG row per rank instead of per stage (dp 0, tp 0)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     trace = load(args.trace)
     _resolve_iteration(trace, args.iteration)  # a clear error before writing anything
     chrome, png, png_optional = args.chrome, args.png, False
@@ -301,16 +305,16 @@ def main(argv=None) -> int:
         chrome, png, png_optional = stem + ".chrome.json", stem + ".png", True
     if chrome:
         write_chrome(trace, chrome, args.iteration)
-        print(f"wrote {chrome} (open in chrome://tracing or https://ui.perfetto.dev)")
+        logger.info("wrote %s (open in chrome://tracing or https://ui.perfetto.dev)", chrome)
     if png:
         try:
             write_png(trace, png, args.iteration, args.all_ranks)
-            print(f"wrote {png}")
+            logger.info("wrote %s", png)
         except ImportError as e:
             if not png_optional:
                 parser.error(str(e))
-            print(f"no PNG: {e}")
-    print(_summary(trace, args.iteration))
+            logger.info("no PNG: %s", e)
+    logger.info("%s", _summary(trace, args.iteration))
     return 0
 
 
