@@ -31,42 +31,24 @@ import torch
 from megazero import comm
 from megazero.optimizer.grad_scaler import build_grad_scaler
 from megazero.optimizer.layout import FlatLayout
+from megazero.optimizer.params import (
+    all_reduce_list,
+    collect_named_params,
+    counted_in_norm,
+    no_weight_decay,
+    tied_across_stages,
+)
 from megazero.optimizer.update import LambRule, SegmentView, build_rule
+from megazero.optimizer.zero_state import ZeroCheckpointState
 from megazero.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 
-
-def no_weight_decay(name: str, param) -> bool:
-    """Megatron's exclusions: biases and 1-D parameters (LayerNorm weights)."""
-    shape = getattr(param, "mz_local_shape", param.shape)  # ZeRO-3 frees the storage
-    return name.endswith(".bias") or len(shape) == 1
+__all__ = ["ZeroOptimizer", "collect_named_params", "no_weight_decay", "counted_in_norm",
+           "tied_across_stages"]
 
 
-def counted_in_norm(param, ps: ParallelState) -> bool:
-    """Count each gradient element once across the model-parallel group."""
-    if getattr(param, "shared_embedding", False):
-        return False  # the last stage's copy of the tied word embedding
-    if not getattr(param, "tensor_model_parallel", False) and ps.tp_rank != 0:
-        return False  # replicated across tp: counted on tp rank 0 only
-    return True
-
-
-def tied_across_stages(param, ps: ParallelState) -> bool:
-    return ps.pp_size > 1 and getattr(param, "tied_embedding", False)
-
-
-def collect_named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
-    seen, out = set(), []
-    for chunk in model_chunks:
-        for name, p in chunk.named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append((getattr(p, "mz_name", name), p))
-    return out
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(ZeroCheckpointState):
     """ZeRO stages 0-2 over ``model_chunks`` (``torch.nn.Module`` list) on ``ps.dp_group``."""
 
     supported_stages = (0, 1, 2)
@@ -296,12 +278,12 @@ class ZeroOptimizer:
         if ps.tp_size > 1:
             grads = [self._owned_grad(s) for s in self.layout.segments
                      if getattr(s.param, "sequence_parallel", False)]
-            _all_reduce_list(grads, ps.tp_group)
+            all_reduce_list(grads, ps.tp_group)
         if ps.pp_size > 1:
             grads = [self._owned_grad(s) for s in self.layout.segments
                      if tied_across_stages(s.param, ps)]
             if grads:
-                _all_reduce_list(grads, ps.embedding_group)
+                all_reduce_list(grads, ps.embedding_group)
 
     # ---- the step --------------------------------------------------------------------------
     @property
@@ -406,66 +388,3 @@ class ZeroOptimizer:
             report.update(host_main_params=main, host_optimizer_states=states,
                           host_grads=nbytes(self.grad_host))
         return report
-
-    def sharded_state_dict(self) -> dict:
-        """This rank's optimizer state as per-parameter fragments (layout-independent)."""
-        fragments = {}
-        for seg, view in zip(self.layout.segments, self._views):
-            entry = {"param_start": seg.param_start, "param_end": seg.param_end,
-                     "main": view.main.clone()}
-            for k in self.rule.state_names:
-                entry[k] = view.state[k].clone()
-            fragments.setdefault(seg.name, []).append(entry)
-        return {"zero_stage": self.stage, "step": self.step_count,
-                "scaler": self.scaler.state_dict(), "fragments": fragments,
-                "state_names": list(self.rule.state_names)}
-
-    def load_sharded_state_dict(self, state: dict, fragment_reader=None) -> None:
-        """Load fragments saved by ``sharded_state_dict`` (any dp layout via the reader)."""
-        self.step_count = int(state["step"])
-        self.scaler.load_state_dict(state["scaler"])
-        frags = state.get("fragments", {})
-        for seg, view in zip(self.layout.segments, self._views):
-            if fragment_reader is not None:
-                values = fragment_reader(seg.name, seg.param_start, seg.param_end)
-            else:
-                values = _find_fragment(frags, seg)
-            view.main.copy_(values["main"])
-            for k in self.rule.state_names:
-                view.state[k].copy_(values[k])
-            if view.model_out is not None:
-                view.model_out.copy_(view.main)
-        if self.offload:
-            self._params_from_host()
-        if self.shard:
-            self._all_gather_params()
-
-    def reload_model_params(self) -> None:
-        """Refresh fp32 main values from the (just loaded) model parameters."""
-        if self.offload:
-            for bucket, main in zip(self.layout.buckets, self.main_chunks):
-                main.copy_(self._owned_model_chunk(bucket))
-            return
-        for view in self._views:
-            if view.model_out is not None:
-                view.main.copy_(view.model_out)
-
-
-def _find_fragment(frags, seg):
-    for entry in frags.get(seg.name, []):
-        if entry["param_start"] == seg.param_start and entry["param_end"] == seg.param_end:
-            return entry
-    raise KeyError(f"optimizer checkpoint has no fragment [{seg.param_start}, "
-                   f"{seg.param_end}) of {seg.name}")
-
-
-def _all_reduce_list(tensors, group):
-    """All-reduce several small tensors with one collective (flatten, reduce, copy back)."""
-    if not tensors or comm.group_size(group) == 1:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    comm.all_reduce(flat, group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
