@@ -174,3 +174,26 @@ def restore_fp32_moments(opt: torch.optim.Optimizer, state_dict) -> None:
                                            copy=True).contiguous()
         if "step" in saved:
             state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone()
+
+
+def params_by_step(optimizer, group, name: str) -> dict[tuple, list]:
+    """Parameters of ``group`` with a gradient, their Adam-style state created and ``step``
+    advanced, grouped by (step, param dtype, grad dtype): one kernel call per group."""
+    buckets: dict[tuple, list] = {}
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{name} does not support sparse gradients")
+        if p.device.type != "cpu":
+            raise ValueError(f"{name} steps CPU tensors only, got one on {p.device}")
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
+                                                memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+        state["step"] += 1
+        buckets.setdefault((int(state["step"].item()), p.dtype, p.grad.dtype), []).append(p)
+    return buckets
+

@@ -219,23 +219,7 @@ class CPUAdam(torch.optim.Optimizer):
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("CPUAdam has no amsgrad or maximize option; use "
                                  "torch.optim.AdamW(amsgrad=..., maximize=...) for those")
-            buckets: dict[tuple, list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPUAdam does not support sparse gradients")
-                if p.device.type != "cpu":
-                    raise ValueError(f"CPUAdam steps CPU tensors only, got one on {p.device}")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
-                                                        memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-                state["step"] += 1
-                key = (int(state["step"].item()), p.dtype, p.grad.dtype)
-                buckets.setdefault(key, []).append(p)
+            buckets = cx.params_by_step(self, group, "CPUAdam")
             beta1, beta2 = group["betas"]
             for (step, _, _), ps in buckets.items():
                 adam_update_(

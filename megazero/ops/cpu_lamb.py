@@ -304,23 +304,7 @@ class CPULamb(torch.optim.Optimizer):
                 loss = closure()
         self._lamb_coeffs = []
         for group in self.param_groups:
-            buckets: dict[tuple, list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPULamb does not support sparse gradients")
-                if p.device.type != "cpu":
-                    raise ValueError(f"CPULamb steps CPU tensors only, got one on {p.device}")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
-                                                        memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-                state["step"] += 1
-                buckets.setdefault((int(state["step"].item()), p.dtype, p.grad.dtype),
-                                   []).append(p)
+            buckets = cx.params_by_step(self, group, "CPULamb")
             beta1, beta2 = group["betas"]
             for (step, _, _), ps in buckets.items():
                 ms = [self.state[p]["exp_avg"] for p in ps]
