@@ -252,3 +252,18 @@ def test_one_openmp_runtime_shared_with_torch(gen):
     # what matters is that megazero's extensions add none besides torch's libgomp.so.1.
     ours = {g for g in gomp if "sentencepiece" not in g and ".libs/" not in g}
     assert len(ours) == 1, gomp
+
+
+@pytest.mark.parametrize("name", ["CPUAdam", "CPULamb"])
+def test_bad_params_are_named(name):
+    import megazero.ops as ops
+
+    cls = getattr(ops, name)
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.zeros(4).to_sparse()
+    with pytest.raises(RuntimeError, match=f"{name} does not support sparse gradients"):
+        cls([p]).step()
+    meta = torch.nn.Parameter(torch.zeros(4, device="meta"))
+    meta.grad = torch.zeros(4, device="meta")
+    with pytest.raises(ValueError, match=f"{name} steps CPU tensors only, got one on meta"):
+        cls([meta]).step()
