@@ -13,9 +13,9 @@ from functools import partial
 import torch
 
 from megazero.arguments import parse_args
-from megazero.data_setup import default_datasets_provider
 from megazero.model import build_gpt_model_chunks
 from megazero.training import pretrain
+from megazero.training.data import default_datasets_provider
 
 
 def model_provider(config, ps, tracker):

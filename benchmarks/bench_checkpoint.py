@@ -101,9 +101,11 @@ def _worker(rank, world, port, task, argv, root, out):
         import pretrain_gpt2
         from megazero import checkpointing
         from megazero.arguments import parse_args
-        from megazero.data_setup import prepare_tokenizer
-        from megazero.initialize import init_distributed, set_random_seed
-        from megazero.optimizer import build_lr_scheduler, build_optimizer
+        from megazero.data_parallel import build_optimizer
+        from megazero.distributed.init import init_distributed
+        from megazero.optim import build_lr_scheduler
+        from megazero.tensor_parallel.random import set_random_seed
+        from megazero.training.data import prepare_tokenizer
 
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,

@@ -38,7 +38,7 @@ OPS = ("native reduce_scatter", "ring reduce_scatter", "native all_gather", "rin
 
 
 def _bench_size(numel, reps, warmup, ring, rank, n):
-    from megazero import comm
+    from megazero.distributed import comm
 
     big = torch.randn(numel)
     ring_in = big.clone()
@@ -86,7 +86,7 @@ def _bench_size(numel, reps, warmup, ring, rank, n):
 def _worker(rank, world, port, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from megazero import comm, ring
+    from megazero.distributed import comm, ring
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,

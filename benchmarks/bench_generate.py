@@ -18,9 +18,9 @@ import time
 import torch
 
 from megazero.config import MegazeroConfig, ModelConfig
-from megazero.generate import generate
+from megazero.distributed.parallel_state import ParallelState
+from megazero.inference.generate import generate
 from megazero.model import GPTModel
-from megazero.parallel_state import ParallelState
 
 # (name, layers, hidden, heads, max positions, vocab, prompt length, new tokens)
 MODELS = [

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig, OptimizerConfig
+from megazero.data_parallel import ZeroOptimizer
+from megazero.distributed.parallel_state import ParallelState
 from megazero.model import build_gpt_model_chunks
-from megazero.optimizer import ZeroOptimizer
-from megazero.parallel_state import ParallelState
 
 
 class PlainBlock(nn.Module):

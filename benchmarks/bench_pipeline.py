@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megazero.pipeline_parallel import interleaved, pipelined
+from megazero.pipeline_parallel import interleaved, one_f_one_b
 from megazero.pipeline_parallel.p2p import P2P
 from megazero.pipeline_parallel.schedules import get_forward_backward_func
 from megazero.tools.pipeline_trace import bubble_fraction, theory_bubble, write_png
@@ -153,7 +153,7 @@ def _p2p_cost(ps, n=100):
 def _worker(rank, world, port, configs, args, outdir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from megazero.parallel_state import ParallelState
+    from megazero.distributed.parallel_state import ParallelState
     from megazero.pipeline_parallel.trace import PipelineTrace
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
@@ -250,7 +250,7 @@ def capture_program(p, rank, m, v, overlap=False):
             return contextlib.nullcontext()
 
     ps = _FakePS(p, rank, v if v > 1 else None)
-    with mock.patch.object(pipelined, "P2P", Recorder), \
+    with mock.patch.object(one_f_one_b, "P2P", Recorder), \
             mock.patch.object(interleaved, "P2P", Recorder):
         run_schedule(ps, make_chunks(ps, v, 0.0, 0.0), m, Spans(), overlap=overlap)
     return program

@@ -50,8 +50,8 @@ def dense(args):
 def _tp_worker(rank, world, port, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from megazero import comm
-    from megazero.parallel_state import ParallelState
+    from megazero.distributed import comm
+    from megazero.distributed.parallel_state import ParallelState
     from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)

@@ -101,7 +101,9 @@ def _held_gathered_bytes(output: torch.Tensor, model) -> tuple[int, int] | None:
     weak references to every buffer the optimizer allocated, bytes the optimizer accounts as
     gathered). Reading autograd's saved tensors instead would unpack them, i.e. gather the
     parameters again. None for stages 0-2."""
-    opt = next((getattr(p, "_mz_zero3", None) for p in model.parameters()), None)
+    from megazero.tensor_parallel.meta import meta_of
+
+    opt = next((meta_of(p).partitioned_by for p in model.parameters()), None)
     if opt is None:
         return None
     import gc
@@ -120,10 +122,10 @@ def _worker(rank, world, port, argv, out, verbose, env):
     sys.path.insert(0, REPO)
     try:
         import pretrain_gpt2
-        from megazero import comm
         from megazero.arguments import parse_args
-        from megazero.optimizer.layout import param_numel
-        from megazero.optimizer.zero import collect_named_params
+        from megazero.data_parallel.layout import param_numel
+        from megazero.data_parallel.zero import collect_named_params
+        from megazero.distributed import comm
         from megazero.training import pretrain
 
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)

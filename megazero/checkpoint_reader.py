@@ -28,7 +28,8 @@ from megazero.checkpointing import (
     zero_shard_name,
 )
 from megazero.reshard import assemble
-from megazero.tensor_parallel.initializers import ShardInfo, _global_flat_index
+from megazero.tensor_parallel.initializers import _global_flat_index
+from megazero.tensor_parallel.meta import ShardInfo
 
 
 def mmap_load(path: str) -> dict:

@@ -25,8 +25,9 @@ import random
 import numpy as np
 import torch
 
-from megazero import comm
-from megazero.parallel_state import ParallelState
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
+from megazero.tensor_parallel.meta import meta_of
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +147,7 @@ def param_meta(model_chunks) -> dict:
     meta = {}
     for i, chunk in enumerate(model_chunks):
         for name, p in chunk.named_parameters():
-            shard = getattr(p, "mz_shard", None)
-            entry = {"local_shape": list(getattr(p, "mz_local_shape", p.shape)), "chunk": i}
-            if shard is not None:
-                entry.update(shard.to_dict())
-            meta[name] = entry
+            meta[name] = {**meta_of(p).to_dict(), "chunk": i}
     return meta
 
 

@@ -12,7 +12,7 @@ training uses. Each rank feeds its own micro-batches; gradients are averaged ove
         engine.step()           # updates at accumulation boundaries, a no-op otherwise
     engine.save_checkpoint("ckpt")
 
-Parameters without megazero shard metadata are treated as replicated (not tensor-parallel).
+Parameters without megazero metadata (``ParamMeta``) are treated as replicated over tp.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 
 from megazero import checkpointing
 from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, TrainConfig
-from megazero.optimizer import build_lr_scheduler, build_optimizer
-from megazero.parallel_state import ParallelState
-from megazero.tensor_parallel.initializers import replicated
+from megazero.data_parallel import build_optimizer
+from megazero.distributed.parallel_state import ParallelState
+from megazero.optim import build_lr_scheduler
 
 
 class Engine:
@@ -34,10 +34,6 @@ class Engine:
                  lr_scheduler=None, seed: int = 0):
         self.ps = ps or ParallelState.build()
         self.module = model
-        for p in model.parameters():
-            if not hasattr(p, "mz_shard"):
-                p.mz_shard = replicated(p.shape)
-                p.tensor_model_parallel = False
         self.config = MegazeroConfig(
             optimizer=optimizer_config,
             parallel=ParallelConfig(tensor_model_parallel_size=self.ps.tp_size,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.tensor_parallel.initializers import ShardInfo
+from megazero.tensor_parallel.meta import ShardInfo, meta_of
 
 
 def local_slice(shard: ShardInfo | dict):
@@ -86,9 +86,9 @@ def load_resharded(root: str, iteration, saved_layout: dict, *, model_chunks, op
     states carry over when tp, pp and dp sizes are unchanged, else they are re-derived (see
     ``_rederive_rng``): with dropout off the run continues exactly.
     """
-    from megazero import comm
     from megazero.checkpoint_reader import CheckpointReader
     from megazero.checkpointing import CheckpointError, check_model_shape, set_rng_state
+    from megazero.distributed import comm
 
     reader = CheckpointReader(root, iteration)
     check_model_shape(reader.args, config, reader.base)
@@ -98,12 +98,11 @@ def load_resharded(root: str, iteration, saved_layout: dict, *, model_chunks, op
     params = {}
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():
-            params[getattr(p, "mz_name", name)] = p
+            params[name] = p
 
     def region(name, kind, a=0, b=None):
-        p = params[name]
-        shape = tuple(getattr(p, "mz_local_shape", p.shape))
-        return reader.read_flat(name, kind, p.mz_shard, shape, a, b)
+        meta = meta_of(params[name])
+        return reader.read_flat(name, kind, meta.shard, meta.local_shape, a, b)
 
     zero3 = config.optimizer.zero_stage == 3
     if not zero3:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
+from megazero.distributed import comm
 
 
 def gather_along(shard: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -85,7 +85,7 @@ def _share_process_groups():
 def _reset_process_state():
     import torch
 
-    from megazero import comm
+    from megazero.distributed import comm
 
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float32)

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from megazero import comm
 from megazero.checkpointing import read_tracker
-from megazero.parallel_state import rank_grid
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import rank_grid
+from megazero.tensor_parallel.meta import meta_of
 from megazero.tools.checkpoint import main as tool
 from megazero.tools.consolidate import consolidate
 from megazero.tools.offline import build_cell, offline_parallel_state
@@ -45,7 +46,8 @@ def test_offline_cell_has_the_shapes_of_a_live_rank():
     assert all(p.device.type == "meta" for p in params.values())
     assert sorted({n.split(".")[1] for n in params if n.startswith("layers.")}) == ["2", "3"]
     emb = params["embedding.word_embeddings.weight"]  # vocab 100 padded to 112: 56 per rank
-    assert emb.shape == (56, 32) and emb.mz_shard.start == 56 and emb.mz_shard.length == 44
+    shard = meta_of(emb).shard
+    assert emb.shape == (56, 32) and shard.start == 56 and shard.length == 44
     assert params["layers.3.mlp.fc2.weight"].shape == (32, 64)
     assert "embedding.position_embeddings.weight" not in params
 

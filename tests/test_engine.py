@@ -5,7 +5,7 @@ import torch
 
 import megazero
 from megazero.config import OptimizerConfig
-from megazero.parallel_state import ParallelState
+from megazero.distributed.parallel_state import ParallelState
 from tests.dist_helper import run_distributed
 
 STEPS, BATCH, GAS = 6, 8, 2
@@ -60,7 +60,7 @@ def engine_run(stage, tmp=None):
             losses.append(full.item() / n)
     if tmp is not None:
         engine.save_checkpoint(tmp)
-    from megazero.optimizer.zero3 import GatheredParameters
+    from megazero.data_parallel.zero3 import GatheredParameters
 
     with GatheredParameters(list(model.parameters())):
         params = {n_: p.detach().clone() for n_, p in model.named_parameters()}

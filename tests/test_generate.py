@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megazero.generate import filter_logits, run, sample
+from megazero.inference.generate import filter_logits, run, sample
 from tests.common import assert_close
 from tests.dist_helper import run_distributed
 from tests.train_helper import TINY, run_training
@@ -94,9 +94,9 @@ def kv_cache_case(tp):
     """Logits of every position: the whole sequence at once vs the prompt, then a chunk of
     several positions, then one position at a time through the KV cache."""
     from megazero.config import ModelConfig
-    from megazero.generate import next_logits
+    from megazero.distributed.parallel_state import ParallelState
+    from megazero.inference.generate import next_logits
     from megazero.model import GPTModel, KVCache
-    from megazero.parallel_state import ParallelState
 
     ps = ParallelState.build(tp_size=tp)
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=90,

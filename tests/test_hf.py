@@ -81,7 +81,7 @@ def test_from_hf_then_to_hf_is_exact(tmp_path, fmt, prefix, tp, pp):
 def test_from_hf_checkpoint_computes_the_hf_logits(tmp_path):
     """The imported checkpoint, loaded by megazero at tp=1 from tp=2 pp=2 files (vocab 50
     padded to 64), gives the reference GPT-2's logits of the HF tensors."""
-    from megazero.generate import load_model
+    from megazero.inference.generate import load_model
 
     sd, config = _hf_state_dict(seed=1)
     _write_hf(tmp_path / "hf", sd, config, "bin")
@@ -120,7 +120,7 @@ def tp2_checkpoint(tmp_path_factory):
 
 
 def test_megazero_export_gives_megazero_logits(tp2_checkpoint, tmp_path):
-    from megazero.generate import load_model
+    from megazero.inference.generate import load_model
 
     path, live = tp2_checkpoint
     assert tool(["to-hf", str(path), str(tmp_path / "hf")]) == 0

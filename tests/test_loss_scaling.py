@@ -6,8 +6,9 @@ import torch.distributed as dist
 import pretrain_gpt2
 from megazero.arguments import parse_args
 from megazero.config import OptimizerConfig
-from megazero.optimizer import DynamicGradScaler, ZeroOptimizer
-from megazero.parallel_state import ParallelState
+from megazero.data_parallel import ZeroOptimizer
+from megazero.distributed.parallel_state import ParallelState
+from megazero.optim import DynamicGradScaler
 from megazero.training import pretrain
 from tests.dist_helper import run_distributed
 from tests.train_helper import TINY

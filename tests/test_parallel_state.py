@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from megazero import comm
 from megazero.config import ConfigError
-from megazero.parallel_state import ParallelState, coords_of, rank_grid, rank_of
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState, coords_of, rank_grid, rank_of
 from tests.dist_helper import run_distributed
 
 FACTORIZATIONS_OF_8 = [(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) if tp * pp <= 8]

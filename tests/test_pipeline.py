@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from megazero.parallel_state import ParallelState
+from megazero.distributed.parallel_state import ParallelState
 from megazero.pipeline_parallel.p2p import P2P
 from tests.common import assert_close
 from tests.dist_helper import run_distributed

@@ -59,7 +59,7 @@ def test_reader_streams_only_own_slices(tmp_path):
     reader = CheckpointReader(str(tmp_path))
     assert (reader.tp, reader.pp, reader.dp, reader.stage) == (2, 1, 2, 1)
     full = reader.full_tensor("layers.1.mlp.fc1.weight", "main")
-    from megazero.tensor_parallel.initializers import ShardInfo
+    from megazero.tensor_parallel.meta import ShardInfo
 
     # the second half of the rows (what tp rank 1 of a tp=2 layout holds) touches only cell 1
     reader = CheckpointReader(str(tmp_path))
@@ -83,7 +83,7 @@ def test_row_copies_equal_element_indexing(tmp_path):
     """The fast row path of read_flat agrees with per-element indexing on random regions."""
     run_training(TINY + f" --train-iters 3 --save {tmp_path} {TP2} --zero-stage 2", 4)
     reader = CheckpointReader(str(tmp_path))
-    from megazero.tensor_parallel.initializers import ShardInfo
+    from megazero.tensor_parallel.meta import ShardInfo
 
     gen = torch.Generator().manual_seed(0)
     names = ["embedding.word_embeddings.weight", "layers.0.attention.qkv.weight",

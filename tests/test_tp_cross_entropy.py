@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.parallel_state import ParallelState
+from megazero.distributed.parallel_state import ParallelState
 from megazero.tensor_parallel import padded_vocab_size, vocab_parallel_cross_entropy
 from tests.common import assert_close
 from tests.dist_helper import run_distributed

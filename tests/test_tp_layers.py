@@ -4,13 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.parallel_state import ParallelState
+from megazero.distributed.parallel_state import ParallelState
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     mappings,
 )
+from megazero.tensor_parallel.meta import meta_of
 from tests.common import assert_close, gather_along
 from tests.dist_helper import run_distributed
 
@@ -97,7 +98,7 @@ def row_case(tp, input_is_parallel, sequence_parallel, break_reduce=False):
         assert_close(layer.weight.grad, _chunk(w_ref.grad, 1, r, tp), what="row weight grad")
         bgrad = layer.bias.grad.clone()
         if sequence_parallel:  # partial over this rank's sequence chunk: sum over tp
-            assert layer.bias.sequence_parallel
+            assert meta_of(layer.bias).sequence_parallel
             torch.distributed.all_reduce(bgrad, group=g) if tp > 1 else None
         assert_close(bgrad, b_ref.grad, what="row bias grad")
     finally:

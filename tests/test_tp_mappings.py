@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megazero.parallel_state import ParallelState
+from megazero.distributed.parallel_state import ParallelState
 from megazero.tensor_parallel import mappings
 from tests.common import assert_close
 from tests.dist_helper import run_distributed

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.parallel_state import ParallelState
+from megazero.distributed.parallel_state import ParallelState
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint
 from megazero.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from tests.dist_helper import run_distributed

@@ -115,9 +115,9 @@ def test_stage3_holds_only_live_layers():
 
 def _divergent_zero3():
     from megazero.config import OptimizerConfig
+    from megazero.data_parallel.zero3 import ZeroOrderError
+    from megazero.distributed.parallel_state import ParallelState
     from megazero.engine import initialize
-    from megazero.optimizer.zero3 import ZeroOrderError
-    from megazero.parallel_state import ParallelState
 
     ps = ParallelState.build()
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def test_zero3_divergence_fails_clearly():
 
 
 def _ring_zero_run(argv):
-    from megazero import comm
+    from megazero.distributed import comm
 
     old = comm.RING_MIN_BYTES
     comm.RING_MIN_BYTES = 0
@@ -171,7 +171,7 @@ def test_zero_with_ring_collectives_matches(single_process_run):
 
 
 def _ring_case(numel, overwrite):
-    from megazero.ring import Ring
+    from megazero.distributed.ring import Ring
 
     g = dist.new_group(list(range(dist.get_world_size())))
     ring = Ring(g)
@@ -201,8 +201,8 @@ def _zero3_frees_gathered_buffers():
     import weakref
 
     from megazero.config import OptimizerConfig
+    from megazero.distributed.parallel_state import ParallelState
     from megazero.engine import initialize
-    from megazero.parallel_state import ParallelState
 
     ps = ParallelState.build()
     torch.manual_seed(0)

@@ -9,8 +9,9 @@ import torch.distributed as dist
 
 import pretrain_gpt2
 from megazero.arguments import parse_args
-from megazero.optimizer.zero3 import GatheredParameters
+from megazero.data_parallel.zero3 import GatheredParameters
 from megazero.reshard import assemble
+from megazero.tensor_parallel.meta import meta_of
 from megazero.training import pretrain
 from tests.dist_helper import run_distributed
 
@@ -35,9 +36,10 @@ def _train_worker(argv):
     with GatheredParameters([p for c in model for p in c.parameters()]):
         for chunk in model:
             for name, p in chunk.named_parameters():
-                if getattr(p, "shared_embedding", False):
+                meta = meta_of(p)
+                if meta.shared_embedding:
                     continue  # the last stage's copy of the tied embedding
-                pieces[name] = (p.detach().float().clone(), p.mz_shard.to_dict())
+                pieces[name] = (p.detach().float().clone(), meta.shard.to_dict())
     return {"history": history, "pieces": pieces, "dp_rank": ps.dp_rank,
             "rank": dist.get_rank(), "memory": memory}
 

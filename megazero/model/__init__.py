@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from megazero.config import ModelConfig
+from megazero.distributed.parallel_state import ParallelState
 from megazero.model.gpt2 import GPTModel, stage_layer_numbers
-from megazero.model.transformer import KVCache
-from megazero.parallel_state import ParallelState
+from megazero.model.kv_cache import KVCache
 
 
 def build_gpt_model_chunks(config: ModelConfig, ps: ParallelState, *, tracker=None,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.tensor_parallel.initializers import init_ones, init_zeros, replicated
+from megazero.tensor_parallel.meta import ParamMeta, init_ones, init_zeros, set_meta
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -56,8 +56,8 @@ class LayerNorm(nn.Module):
     """LayerNorm over the last dim, replicated across tp (its params carry shard metadata).
 
     With sequence parallelism each tp rank normalises its own part of the sequence, so the
-    gradients of ``weight`` and ``bias`` are partial and marked ``sequence_parallel`` for the
-    optimizer to all-reduce over tp.
+    gradients of ``weight`` and ``bias`` are partial: their ``ParamMeta`` says
+    ``sequence_parallel``, and gradient finalisation all-reduces them over tp.
     """
 
     def __init__(self, hidden: int, eps: float = 1e-5, *, sequence_parallel: bool = False,
@@ -67,9 +67,8 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=params_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden, dtype=params_dtype, device=device))
         for p, spec in ((self.weight, init_ones()), (self.bias, init_zeros())):
-            p.mz_init, p.mz_shard = spec, replicated((hidden,))
-            p.tensor_model_parallel, p.partition_dim = False, -1
-            p.sequence_parallel = sequence_parallel
+            set_meta(p, ParamMeta.replicated((hidden,), init=spec,
+                                             sequence_parallel=sequence_parallel))
 
     def forward(self, x):
         ops = _ops()

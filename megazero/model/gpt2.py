@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.distributed.parallel_state import ParallelState
 from megazero.model.fused import LayerNorm
 from megazero.model.transformer import TransformerLayer
-from megazero.parallel_state import ParallelState
 from megazero.tensor_parallel import (
     VocabParallelEmbedding,
     checkpoint,
@@ -30,7 +30,7 @@ from megazero.tensor_parallel import (
     initialize_parameters,
     vocab_parallel_cross_entropy,
 )
-from megazero.tensor_parallel.initializers import replicated
+from megazero.tensor_parallel.meta import ParamMeta, set_meta, update_meta
 from megazero.tensor_parallel.random import RNGStatesTracker
 
 
@@ -51,10 +51,10 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings,
                                                     config.hidden_size, dtype=dtype,
                                                     device=device)
-            w = self.position_embeddings.weight
-            w.mz_init, w.mz_shard = init_normal(config.init_method_std), replicated(w.shape)
-            w.tensor_model_parallel, w.partition_dim = False, -1
-            w.sequence_parallel = sequence_parallel  # each tp rank sees its part of the sequence
+            # each tp rank sees its part of the sequence: a partial gradient with sp
+            set_meta(self.position_embeddings.weight, ParamMeta.replicated(
+                self.position_embeddings.weight.shape, init=init_normal(config.init_method_std),
+                sequence_parallel=sequence_parallel))
         self.dropout_p = config.hidden_dropout
         self.sequence_parallel, self.tracker = sequence_parallel, tracker
         self.tp_size, self.tp_rank = ps.tp_size, ps.tp_rank
@@ -105,13 +105,11 @@ class GPTModel(nn.Module):
             # The last stage holds the word embedding too (tied output layer).
             self.embedding = Embedding(config, ps, with_positions=pre_process,
                                        sequence_parallel=sp, tracker=tracker, device=device)
-            w = self.embedding.word_embeddings.weight
-            # With pp > 1 the first and last stages each hold the tied word embedding; the
-            # optimizer all-reduces its gradient over the embedding group, and the grad norm
-            # counts only the first stage's copy.
-            w.tied_embedding = ps.pp_size > 1
-            if post_process and not pre_process:
-                w.shared_embedding = True
+            # With pp > 1 the first and last stages each hold the tied word embedding; its
+            # gradient is all-reduced over the embedding group, and the grad norm counts only
+            # the first stage's copy.
+            update_meta(self.embedding.word_embeddings.weight, tied_embedding=ps.pp_size > 1,
+                        shared_embedding=post_process and not pre_process)
         self.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, ps.tp_group, tracker, sequence_parallel=sp,
                                      device=device)

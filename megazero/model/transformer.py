@@ -23,44 +23,9 @@ from torch import nn
 
 from megazero.config import ModelConfig
 from megazero.model.fused import LayerNorm, bias_dropout_add, bias_gelu
+from megazero.model.kv_cache import KVCache
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_normal
 from megazero.tensor_parallel.random import RNGStatesTracker
-
-
-class KVCache:
-    """Keys and values of the positions already processed, for incremental decoding.
-
-    One pair of buffers per attention module, ``[b, heads / tp, max_len, head_dim]`` (this
-    rank's heads), filled from ``offset``; the model advances ``offset`` after each forward.
-    """
-
-    def __init__(self, max_len: int):
-        self.max_len, self.offset = max_len, 0
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def extend(self, owner, k, v):
-        """Store ``k, v`` ``[b, np, s, hn]`` at the next positions; return all keys and values
-        so far, ``[b, np, offset + s, hn]``."""
-        b, heads, s, hn = k.shape
-        end = self.reserve(s)
-        if id(owner) not in self._buffers:
-            shape = (b, heads, self.max_len, hn)
-            self._buffers[id(owner)] = (k.new_empty(shape), v.new_empty(shape))
-        kb, vb = self._buffers[id(owner)]
-        kb[:, :, self.offset:end] = k
-        vb[:, :, self.offset:end] = v
-        return kb[:, :, :end], vb[:, :, :end]
-
-    def reserve(self, s: int) -> int:
-        """Check that ``s`` more positions fit; return the end position."""
-        end = self.offset + s
-        if end > self.max_len:
-            raise ValueError(f"KV cache of {self.max_len} positions cannot hold {end} "
-                             f"({self.offset} cached + {s} new)")
-        return end
-
-    def advance(self, s: int):
-        self.offset += s
 
 
 def output_init_std(config: ModelConfig) -> float:
@@ -74,7 +39,7 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp_group, tracker: RNGStatesTracker | None, *,
                  sequence_parallel: bool, device=None):
         super().__init__()
-        from megazero import comm
+        from megazero.distributed import comm
 
         tp = comm.group_size(tp_group)
         self.heads_per_rank = config.num_attention_heads // tp

@@ -25,13 +25,13 @@ around between the last and the first rank) are computed by the same rules in bo
 
 from __future__ import annotations
 
-from megazero.pipeline_parallel.p2p import P2P
-from megazero.pipeline_parallel.schedules import (
+from megazero.pipeline_parallel.microbatch import (
     GradSyncControl,
     ScheduleContext,
     backward_step,
     forward_step,
 )
+from megazero.pipeline_parallel.p2p import P2P
 
 
 class _Interleaved:

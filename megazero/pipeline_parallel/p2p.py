@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero import comm
-from megazero.parallel_state import ParallelState
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
 
 # High tags: never equal to the small sequence numbers gloo gives its own collectives.
 ACT_TAG, GRAD_TAG, SHAPE_TAG_OFFSET = (1 << 29) + 1, (1 << 29) + 2, 10

@@ -15,8 +15,8 @@ import json
 import os
 import time
 
-from megazero import comm
-from megazero.parallel_state import ParallelState
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
 
 
 class PipelineTrace:

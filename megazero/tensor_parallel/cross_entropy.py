@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
+from megazero.distributed import comm
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

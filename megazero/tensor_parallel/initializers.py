@@ -7,74 +7,30 @@ of the full tensor (a tensor-parallel shard, a ZeRO-3 flat partition, a pipeline
 layers) can therefore be drawn on its own, without materialising the full weight, and is the
 same whatever the tp/pp/dp split. Nothing here communicates.
 
-``ShardInfo`` (attribute ``mz_shard`` on every parameter) records the full shape and which
-slice a local tensor holds; checkpoints store it so any layout can be reassembled.
+``ShardInfo`` (in every parameter's ``ParamMeta``, see ``meta``) records the full shape and
+which slice a local tensor holds; checkpoints store it so any layout can be reassembled.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from megazero.tensor_parallel.meta import (  # noqa: F401 - re-exported: the init spec types
+    InitSpec,
+    ShardInfo,
+    init_normal,
+    init_ones,
+    init_zeros,
+    meta_of,
+    replicated,
+)
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-
-
-@dataclass(frozen=True)
-class InitSpec:
-    """How to fill a parameter: normal(0, std), zeros or ones."""
-
-    kind: str = "normal"
-    std: float = 0.02
-
-
-def init_normal(std: float) -> InitSpec:
-    return InitSpec("normal", float(std))
-
-
-def init_zeros() -> InitSpec:
-    return InitSpec("zeros", 0.0)
-
-
-def init_ones() -> InitSpec:
-    return InitSpec("ones", 0.0)
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """Which slice of a logical full tensor a local tensor holds.
-
-    ``dim`` is the partitioned dimension (``None``: the local tensor is the full tensor).
-    Along ``dim`` the local tensor holds logical entries ``[start, start + length)`` first and
-    padding after them (the local size along ``dim`` may exceed ``length``, e.g. a padded
-    vocabulary shard). ``full_shape`` is the logical shape without padding.
-    """
-
-    full_shape: tuple[int, ...]
-    dim: int | None = None
-    start: int = 0
-    length: int | None = None
-
-    def logical_length(self) -> int:
-        if self.dim is None:
-            return 0
-        return self.full_shape[self.dim] if self.length is None else self.length
-
-    def to_dict(self) -> dict:
-        return {"full_shape": list(self.full_shape), "dim": self.dim, "start": self.start,
-                "length": self.logical_length() if self.dim is not None else None}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ShardInfo:
-        return cls(tuple(d["full_shape"]), d["dim"], d["start"], d["length"])
-
-
-def replicated(shape) -> ShardInfo:
-    return ShardInfo(tuple(int(s) for s in shape), None, 0, None)
 
 
 def init_key(seed: int, name: str) -> int:
@@ -192,30 +148,19 @@ def fill_flat_partition(flat: torch.Tensor, spec: InitSpec, shard: ShardInfo, ke
     return flat
 
 
-def set_param_meta(param: torch.nn.Parameter, spec: InitSpec, shard: ShardInfo,
-                   *, tensor_model_parallel: bool) -> None:
-    """Attach init spec and shard info (plus Megatron's attribute names) to a parameter."""
-    param.mz_init = spec
-    param.mz_shard = shard
-    param.tensor_model_parallel = tensor_model_parallel
-    param.partition_dim = shard.dim if tensor_model_parallel else -1
-    param.partition_stride = 1
-
-
 def draw_key() -> int:
     """A key from torch's default generator: the same on every rank seeded alike."""
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
 def initialize_parameters(module: torch.nn.Module, seed: int, prefix: str = "") -> None:
-    """(Re)initialise every parameter carrying ``mz_init`` from (seed, its name).
+    """(Re)initialise every parameter whose ``ParamMeta`` has an ``init`` from (seed, name).
 
     Names must not depend on the parallel layout (megazero's GPT model keys layers by global
     index), then the same seed gives the same full model for any split.
     """
     for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
-        spec = getattr(param, "mz_init", None)
-        shard = getattr(param, "mz_shard", None)
-        if spec is None or shard is None or param.device.type == "meta":
+        meta = meta_of(param)
+        if meta.init is None or param.device.type == "meta":
             continue
-        fill_shard(param.data, spec, shard, init_key(seed, getattr(param, "mz_name", name)))
+        fill_shard(param.data, meta.init, meta.shard, init_key(seed, name))

@@ -18,18 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero import comm
+from megazero.distributed import comm
 from megazero.tensor_parallel import mappings
-from megazero.tensor_parallel.initializers import (
+from megazero.tensor_parallel.initializers import draw_key, fill_shard, init_key
+from megazero.tensor_parallel.meta import (
     InitSpec,
+    ParamMeta,
     ShardInfo,
-    draw_key,
-    fill_shard,
-    init_key,
     init_normal,
     init_zeros,
     replicated,
-    set_param_meta,
+    set_meta,
 )
 
 
@@ -46,9 +45,11 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_siz
 
 
 def _make_param(shape, spec: InitSpec, shard: ShardInfo, key: int | None, *, dtype, device,
-                tensor_model_parallel: bool) -> nn.Parameter:
+                tensor_parallel: bool, sequence_parallel: bool = False) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-    set_param_meta(param, spec, shard, tensor_model_parallel=tensor_model_parallel)
+    set_meta(param, ParamMeta(shard=shard, local_shape=tuple(shape), init=spec,
+                              tensor_parallel=tensor_parallel,
+                              sequence_parallel=sequence_parallel))
     if param.device.type != "meta":
         fill_shard(param.data, spec, shard, draw_key() if key is None else key)
     return param
@@ -95,12 +96,12 @@ class ColumnParallelLinear(nn.Module):
         shard = ShardInfo((output_size, input_size), 0, start, self.output_size_per_partition)
         self.weight = _make_param((self.output_size_per_partition, input_size), init_method,
                                   shard, wkey, dtype=params_dtype, device=device,
-                                  tensor_model_parallel=True)
+                                  tensor_parallel=True)
         if bias:
             bshard = ShardInfo((output_size,), 0, start, self.output_size_per_partition)
             self.bias = _make_param((self.output_size_per_partition,), init_zeros(), bshard,
                                     bkey, dtype=params_dtype, device=device,
-                                    tensor_model_parallel=True)
+                                    tensor_parallel=True)
         else:
             self.register_parameter("bias", None)
 
@@ -149,14 +150,14 @@ class RowParallelLinear(nn.Module):
         shard = ShardInfo((output_size, input_size), 1, start, self.input_size_per_partition)
         self.weight = _make_param((output_size, self.input_size_per_partition), init_method,
                                   shard, wkey, dtype=params_dtype, device=device,
-                                  tensor_model_parallel=True)
+                                  tensor_parallel=True)
         if bias:
+            # With sequence parallelism each rank sees only its part of the sequence, so the
+            # bias gradient must be all-reduced over tp (gradient finalisation does it).
             self.bias = _make_param((output_size,), init_zeros(), replicated((output_size,)),
                                     bkey, dtype=params_dtype, device=device,
-                                    tensor_model_parallel=False)
-            # With sequence parallelism each rank sees only its part of the sequence, so the
-            # bias gradient must be all-reduced over tp (the optimizer does it).
-            self.bias.sequence_parallel = sequence_parallel
+                                    tensor_parallel=False,
+                                    sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -208,7 +209,7 @@ class VocabParallelEmbedding(nn.Module):
         wkey, _ = _keys(init_key, seed_name)
         self.weight = _make_param((per, embedding_dim), init_method or init_normal(0.02), shard,
                                   wkey, dtype=params_dtype, device=device,
-                                  tensor_model_parallel=True)
+                                  tensor_parallel=True)
 
     def forward(self, ids):
         if self.tp_size > 1:

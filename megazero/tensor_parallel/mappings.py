@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
+from megazero.distributed import comm
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:

@@ -16,10 +16,13 @@ activations, DeepSpeed's partition_activations. One tracker object per process, 
 from __future__ import annotations
 
 import contextlib
+import random
 
+import numpy as np
 import torch
 
-from megazero import comm
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -91,6 +94,21 @@ def model_parallel_manual_seed(seed: int, tp_rank: int,
     torch.manual_seed(seed)
     tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank))
     return tracker
+
+
+def set_random_seed(seed: int, state: ParallelState,
+                    tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
+    """Seed python, numpy and torch (CPU and CUDA) and the tracker's model-parallel stream.
+
+    As in Megatron, each pipeline stage offsets the seed by ``100 * pp_rank`` (its layers'
+    dropout differs from other stages'); tp ranks share the default stream and get
+    ``seed + 2718 + tp_rank`` in the model-parallel stream. Parameter initialisation does not
+    use these streams (it is keyed by name, see ``tensor_parallel.initializers``).
+    """
+    stage_seed = seed + 100 * state.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % 2**32)
+    return model_parallel_manual_seed(stage_seed, state.tp_rank, tracker)
 
 
 def _split_for_partition(t: torch.Tensor, group):

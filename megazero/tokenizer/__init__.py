@@ -1,9 +1,10 @@
 """Tokenizers with Megatron's interface: ``build_tokenizer(tokenizer_type, ...)``.
 
 ``GPT2BPETokenizer`` (``--vocab-file`` + ``--merge-file``, GPT-2's byte-level BPE) and
-``SentencePieceTokenizer`` (``--tokenizer-model``). Each returned tokenizer has
-``tokenize(text) -> list[int]``, ``detokenize(ids) -> str``, ``vocab_size`` (true size), ``eod``
-and ``padded_vocab_size`` (vocab rounded up to ``make_vocab_size_divisible_by * tp``).
+``SentencePieceTokenizer`` (``--tokenizer-model``), and ``NullTokenizer`` (``--mock-data``).
+Each returned tokenizer has ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str``,
+``vocab_size`` (true size), ``eod`` and ``padded_vocab_size`` (vocab rounded up to
+``make_vocab_size_divisible_by * tp``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from megazero.tokenizer.base import (
     vocab_size_with_padding,
 )
 from megazero.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megazero.tokenizer.null import NullTokenizer
 from megazero.tokenizer.sentencepiece import SentencePieceTokenizer, train_sentencepiece_bpe
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ def build_tokenizer(tokenizer_type: str, vocab_file: str | None = None,
 __all__ = [
     "AbstractTokenizer",
     "GPT2BPETokenizer",
+    "NullTokenizer",
     "SentencePieceTokenizer",
     "TOKENIZER_TYPES",
     "TokenizerError",

@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import torch
 
-from megazero import comm
 from megazero.checkpointing import (
     CHECKPOINT_VERSION,
     LAYOUT_FILE,
@@ -42,9 +41,11 @@ from megazero.checkpointing import (
     tracker_path,
 )
 from megazero.config import MegazeroConfig
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState, rank_grid, rank_of
 from megazero.model import build_gpt_model_chunks
-from megazero.parallel_state import ParallelState, rank_grid, rank_of
 from megazero.reshard import cut
+from megazero.tensor_parallel.meta import meta_of
 
 
 def offline_parallel_state(tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0,
@@ -150,7 +151,7 @@ def write_checkpoint(out: str, iteration: int | str, config: MegazeroConfig, *,
             full = {k: full_tensor(name, k) for k in kinds}
             for cell, st in zip(cells, states):
                 p = cell.get_parameter(name)
-                local = {k: cut(v, p.mz_shard, tuple(p.shape)) for k, v in full.items()}
+                local = {k: cut(v, meta_of(p).shard, tuple(p.shape)) for k, v in full.items()}
                 st["model"][name] = local["model"].to(dtype)
                 if optimizer is not None:
                     frag = {"param_start": 0, "param_end": p.numel()}

@@ -14,13 +14,13 @@ Gradient reduction hooks are held back (``no_sync``) until the last backward of 
 
 from __future__ import annotations
 
-from megazero.pipeline_parallel.p2p import P2P
-from megazero.pipeline_parallel.schedules import (
+from megazero.pipeline_parallel.microbatch import (
     GradSyncControl,
     ScheduleContext,
     backward_step,
     forward_step,
 )
+from megazero.pipeline_parallel.p2p import P2P
 
 
 def _p2p(ctx: ScheduleContext) -> P2P:

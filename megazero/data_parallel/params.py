@@ -9,27 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.parallel_state import ParallelState
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
+from megazero.tensor_parallel.meta import meta_of
 
 
 def no_weight_decay(name: str, param) -> bool:
     """Megatron's exclusions: biases and 1-D parameters (LayerNorm weights)."""
-    shape = getattr(param, "mz_local_shape", param.shape)  # ZeRO-3 frees the storage
-    return name.endswith(".bias") or len(shape) == 1
+    return name.endswith(".bias") or len(meta_of(param).local_shape) == 1
 
 
 def counted_in_norm(param, ps: ParallelState) -> bool:
     """Count each gradient element once across the model-parallel group."""
-    if getattr(param, "shared_embedding", False):
+    meta = meta_of(param)
+    if meta.shared_embedding:
         return False  # the last stage's copy of the tied word embedding
-    if not getattr(param, "tensor_model_parallel", False) and ps.tp_rank != 0:
+    if not meta.tensor_parallel and ps.tp_rank != 0:
         return False  # replicated across tp: counted on tp rank 0 only
     return True
 
 
 def tied_across_stages(param, ps: ParallelState) -> bool:
-    return ps.pp_size > 1 and getattr(param, "tied_embedding", False)
+    return ps.pp_size > 1 and meta_of(param).tied_embedding
 
 
 def collect_named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
@@ -38,7 +39,7 @@ def collect_named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
         for name, p in chunk.named_parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                out.append((getattr(p, "mz_name", name), p))
+                out.append((name, p))
     return out
 
 

@@ -1,13 +1,10 @@
-"""Start torch.distributed, build the ``ParallelState`` and seed every random stream.
+"""Start torch.distributed and build this rank's ``ParallelState``.
 
 Launched by torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the
 environment) it joins the job's process group; launched as a plain process it creates a world
 of one in memory (no port, no file). The backend is NCCL when CUDA is available and gloo
 otherwise, unless ``--distributed-backend`` says; collectives time out after
 ``--distributed-timeout-minutes`` instead of hanging.
-
-Calling the module, ``megazero.initialize(model, optimizer_config, parallel_state)``, builds a
-ZeRO engine around any model (see ``megazero.engine``), as DeepSpeed users expect.
 """
 
 from __future__ import annotations
@@ -15,17 +12,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import random
-import sys
-import types
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megazero.config import ConfigError, ParallelConfig
-from megazero.parallel_state import ParallelState
-from megazero.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
+from megazero.distributed.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 
@@ -67,34 +59,6 @@ def init_distributed(parallel: ParallelConfig | None = None) -> ParallelState:
     return state
 
 
-def set_random_seed(seed: int, state: ParallelState,
-                    tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
-    """Seed python, numpy and torch (CPU and CUDA) and the tracker's model-parallel stream.
-
-    As in Megatron, each pipeline stage offsets the seed by ``100 * pp_rank`` (its layers'
-    dropout differs from other stages'); tp ranks share the default stream and get
-    ``seed + 2718 + tp_rank`` in the model-parallel stream. Parameter initialisation does not
-    use these streams (it is keyed by name, see ``tensor_parallel.initializers``).
-    """
-    stage_seed = seed + 100 * state.pp_rank
-    random.seed(stage_seed)
-    np.random.seed(stage_seed % 2**32)
-    return model_parallel_manual_seed(stage_seed, state.tp_rank, tracker)
-
-
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-class _CallableModule(types.ModuleType):
-    """``megazero.initialize`` is this module (distributed init) and, called, the engine
-    constructor ``megazero.engine.initialize(model, optimizer_config, parallel_state)``."""
-
-    def __call__(self, *args, **kwargs):
-        from megazero.engine import initialize as engine_initialize
-
-        return engine_initialize(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,8 +1,8 @@
 """Text generation from a megazero checkpoint: greedy, temperature, top-k and top-p sampling.
 
-    python -m megazero.generate --load CKPT --prompt "def main(" --max-new-tokens 64 --greedy
-    python -m megazero.generate --load CKPT --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1
-    torchrun --nproc-per-node 2 -m megazero.generate --load CKPT --prompt "import os"
+    python -m megazero.inference.generate --load CKPT --prompt "def main(" --greedy
+    python -m megazero.inference.generate --load CKPT --temperature 0.8 --top-k 40 --seed 1
+    torchrun --nproc-per-node 2 -m megazero.inference.generate --load CKPT --prompt "import os"
 
 One process runs at tp=1; under torchrun the world is the tensor-parallel group (tp = world
 size unless ``--tensor-model-parallel-size`` says; dp ranks, if any, generate the same text).
@@ -39,18 +39,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megazero import comm
 from megazero.checkpoint_reader import CheckpointReader
 from megazero.checkpointing import load_checkpoint, read_tracker
 from megazero.config import MegazeroConfig
-from megazero.data_setup import NullTokenizer
-from megazero.initialize import init_distributed, launched_by_torchrun
+from megazero.distributed import comm
+from megazero.distributed.init import init_distributed, launched_by_torchrun
+from megazero.distributed.parallel_state import ParallelState
 from megazero.model import KVCache, build_gpt_model_chunks
-from megazero.parallel_state import ParallelState
 from megazero.reshard import load_resharded
 from megazero.tensor_parallel.mappings import gather_from_tp_region
+from megazero.tokenizer.null import NullTokenizer
 
-logger = logging.getLogger("megazero.generate")
+logger = logging.getLogger("megazero.inference.generate")
 
 
 # ---- sampling --------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def generate(model, ps: ParallelState, config: MegazeroConfig, prompt_ids: list[
 
 # ---- command line ----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megazero.generate",
+    p = argparse.ArgumentParser(prog="python -m megazero.inference.generate",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="checkpoint folder (a --save folder)")
     p.add_argument("--iteration", default=None, help="default: the tracker's")

@@ -157,7 +157,7 @@ def _ring_for(group, kind: str, nbytes: int):
         return None
     entry = _RINGS.get(group)
     if entry is None:
-        from megazero import ring
+        from megazero.distributed import ring
 
         enabled, STATS.enabled = STATS.enabled, False
         try:

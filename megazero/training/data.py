@@ -11,43 +11,14 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
-from megazero import comm
-from megazero.parallel_state import ParallelState
+from megazero.data.mock import MockGPTDataset
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
+from megazero.tokenizer.null import NullTokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class NullTokenizer:
-    """Tokenizer of ``--mock-data``: ids only; the last id is end-of-document."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
-
-    def tokenize(self, text):
-        return [int(t) for t in text.split()]
-
-    def detokenize(self, ids):
-        return " ".join(str(i) for i in ids)
-
-
-class MockGPTDataset(torch.utils.data.Dataset):
-    """Sample i: ``seq_length + 1`` tokens drawn from a generator seeded by (seed, i)."""
-
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
-        self.num_samples, self.seq_length = num_samples, seq_length
-        self.vocab_size, self.seed = vocab_size, seed
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, idx):
-        rng = np.random.default_rng([self.seed, int(idx)])
-        text = rng.integers(0, self.vocab_size - 1, size=self.seq_length + 1, dtype=np.int64)
-        return {"text": text}
 
 
 def prepare_tokenizer(config, ps: ParallelState):

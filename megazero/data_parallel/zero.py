@@ -28,19 +28,20 @@ import math
 
 import torch
 
-from megazero import comm
-from megazero.optimizer.grad_scaler import build_grad_scaler
-from megazero.optimizer.layout import FlatLayout
-from megazero.optimizer.params import (
+from megazero.data_parallel.layout import FlatLayout
+from megazero.data_parallel.params import (
     all_reduce_list,
     collect_named_params,
     counted_in_norm,
     no_weight_decay,
     tied_across_stages,
 )
-from megazero.optimizer.update import LambRule, SegmentView, build_rule
-from megazero.optimizer.zero_state import ZeroCheckpointState
-from megazero.parallel_state import ParallelState
+from megazero.data_parallel.zero_state import ZeroCheckpointState
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
+from megazero.optim.grad_scaler import build_grad_scaler
+from megazero.optim.rules import LambRule, SegmentView, build_rule
+from megazero.tensor_parallel.meta import meta_of
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class ZeroOptimizer(ZeroCheckpointState):
         ps = self.ps
         if ps.tp_size > 1:
             grads = [self._owned_grad(s) for s in self.layout.segments
-                     if getattr(s.param, "sequence_parallel", False)]
+                     if meta_of(s.param).sequence_parallel]
             all_reduce_list(grads, ps.tp_group)
         if ps.pp_size > 1:
             grads = [self._owned_grad(s) for s in self.layout.segments
@@ -356,8 +357,7 @@ class ZeroOptimizer(ZeroCheckpointState):
     def _lamb_kwargs(self):
         flags = torch.zeros(len(self.param_keys), dtype=torch.bool)
         for name, key in self.param_keys.items():
-            flags[key] = bool(getattr(self.layout.ranges[name].param, "tensor_model_parallel",
-                                      False))
+            flags[key] = meta_of(self.layout.ranges[name].param).tensor_parallel
         return {"num_params": len(self.param_keys), "tp_sharded": flags}
 
     def _full_model_bucket(self, bucket) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megazero import comm
+from megazero.distributed import comm
 
 
 @dataclass

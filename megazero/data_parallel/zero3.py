@@ -32,18 +32,15 @@ import os
 import torch
 from torch import nn
 
-from megazero import comm
-from megazero.optimizer.layout import FlatLayout, param_numel
-from megazero.optimizer.params import collect_named_params, find_fragment, tied_across_stages
-from megazero.optimizer.zero import ZeroOptimizer
-from megazero.optimizer.zero3_gather import Unit, Zero3Gathering, ZeroOrderError
+from megazero.data_parallel.layout import FlatLayout, param_numel
+from megazero.data_parallel.params import collect_named_params, find_fragment, tied_across_stages
+from megazero.data_parallel.zero import ZeroOptimizer
+from megazero.data_parallel.zero3_gather import Unit, Zero3Gathering, ZeroOrderError
+from megazero.distributed import comm
 from megazero.tensor_parallel.initializers import fill_flat_partition, init_key
+from megazero.tensor_parallel.meta import copy_meta, ensure_meta, meta_of, update_meta
 
 __all__ = ["GatheredParameters", "Zero3Optimizer", "ZeroOrderError"]
-
-_META_ATTRS = ("mz_init", "mz_shard", "mz_name", "tensor_model_parallel", "partition_dim",
-               "partition_stride", "sequence_parallel", "shared_embedding", "tied_embedding")
-
 
 def _units_of(model_chunks) -> list[tuple[str, list[nn.Module], nn.Module, int]]:
     """(name, user modules, owning module, chunk) of every unit, in forward order."""
@@ -60,8 +57,10 @@ def _units_of(model_chunks) -> list[tuple[str, list[nn.Module], nn.Module, int]]
     return out
 
 
-def _replace_meta_params(model_chunks, device) -> None:
-    """Swap meta parameters for empty ones on ``device`` (same attributes, shape recorded)."""
+def _replace_meta_params(model_chunks, device) -> set[int]:
+    """Swap meta parameters for empty ones on ``device`` (same ``ParamMeta``, its local shape
+    recorded); returns the ids of the new parameters."""
+    replaced = set()
     for chunk in model_chunks:
         for mod in chunk.modules():
             for pname, p in list(mod._parameters.items()):
@@ -69,12 +68,11 @@ def _replace_meta_params(model_chunks, device) -> None:
                     continue
                 new = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
                                    requires_grad=p.requires_grad)
-                for attr in _META_ATTRS:
-                    if hasattr(p, attr):
-                        setattr(new, attr, getattr(p, attr))
-                new.mz_local_shape = tuple(p.shape)
-                new.mz_on_meta = True
+                ensure_meta(p)
+                copy_meta(p, new)
+                replaced.add(id(new))
                 mod._parameters[pname] = new
+    return replaced
 
 
 class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
@@ -95,11 +93,10 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
         self._hook_stack: list = []
         self.live_bytes = self.peak_live_bytes = 0
         device = ps.device
-        _replace_meta_params(model_chunks, device)
+        self._on_meta = _replace_meta_params(model_chunks, device)
         named = collect_named_params(model_chunks)
         for _, p in named:
-            if not hasattr(p, "mz_local_shape"):
-                p.mz_local_shape = tuple(p.shape)
+            ensure_meta(p)  # records the local shape before the storage is partitioned away
         self._plan_units(named)
         super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                          named_params=named)
@@ -168,7 +165,7 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
             for pr in bucket.params:
                 view = self.persist_buffer[pr.start - bucket.start:pr.end - bucket.start]
                 self._fill_owned(pr.name, pr.param, view, 0)
-                self._set_data(pr.param, view.view(pr.param.mz_local_shape))
+                self._set_data(pr.param, view.view(meta_of(pr.param).local_shape))
         for unit in self.units:
             for name in unit.param_names:
                 p = lay.ranges[name].param
@@ -180,17 +177,17 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
                                               for b in unit.buckets])
         self._param_name = {id(pr.param): n for n, pr in lay.ranges.items()}
         for pr in lay.ranges.values():
-            pr.param._mz_zero3 = self
+            update_meta(pr.param, partitioned_by=self)
 
     def _fill_owned(self, name, param, dst, start):
         """Owned values of ``param`` from its data, or from the initialiser if on meta."""
-        if getattr(param, "mz_on_meta", False):
-            spec, shard = getattr(param, "mz_init", None), getattr(param, "mz_shard", None)
-            if spec is None or shard is None:
+        if id(param) in self._on_meta:
+            meta = meta_of(param)
+            if meta.init is None:
                 raise ValueError(f"ZeRO-3: parameter {name} was built on the meta device "
                                  "without megazero init metadata; build it materialised")
-            key = init_key(self.seed, getattr(param, "mz_name", name))
-            fill_flat_partition(dst, spec, shard, key, param.mz_local_shape, start)
+            key = init_key(self.seed, name)
+            fill_flat_partition(dst, meta.init, meta.shard, key, meta.local_shape, start)
         else:
             dst.copy_(param.data.reshape(-1)[start:start + dst.numel()])
 
@@ -307,7 +304,7 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
                     if not include_optimizer:
                         for k in ["main", *self.rule.state_names]:
                             entry.pop(k, None)
-        state["param_shapes"] = {n: list(pr.param.mz_local_shape)
+        state["param_shapes"] = {n: list(meta_of(pr.param).local_shape)
                                  for n, pr in self.layout.ranges.items()}
         state["has_optimizer"] = include_optimizer
         return state
@@ -334,8 +331,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
 
     def __init__(self, params, modifier_rank: int | None = None):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        owners = {id(getattr(p, "_mz_zero3", None)): getattr(p, "_mz_zero3", None)
-                  for p in params}
+        owners = {id(meta_of(p).partitioned_by): meta_of(p).partitioned_by for p in params}
         owners.pop(id(None), None)
         self._ctxs = [opt.gathered(params, modifier_rank) for opt in owners.values()]
 

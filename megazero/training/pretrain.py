@@ -18,14 +18,17 @@ import time
 
 import torch
 
-from megazero import checkpointing, comm
+from megazero import checkpointing
 from megazero.config import MegazeroConfig
-from megazero.data_setup import build_data_iterators, prepare_tokenizer
-from megazero.initialize import init_distributed, set_random_seed
-from megazero.optimizer import build_lr_scheduler, build_optimizer
-from megazero.parallel_state import ParallelState
+from megazero.data_parallel import build_optimizer
+from megazero.distributed import comm
+from megazero.distributed.init import init_distributed
+from megazero.distributed.parallel_state import ParallelState
+from megazero.optim import build_lr_scheduler
 from megazero.pipeline_parallel.schedules import get_forward_backward_func
-from megazero.timers import Timers
+from megazero.tensor_parallel.random import set_random_seed
+from megazero.training.data import build_data_iterators, prepare_tokenizer
+from megazero.training.timers import Timers
 
 logger = logging.getLogger("megazero.training")
 

@@ -18,17 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megazero.tensor_parallel.meta import meta_of
+
 
 def param_numel(p) -> int:
     """Elements of a parameter's local tensor (its recorded shape when its storage is
     partitioned away, as under ZeRO-3)."""
-    shape = getattr(p, "mz_local_shape", None)
-    if shape is None:
-        return p.numel()
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    return meta_of(p).numel
 
 
 @dataclass

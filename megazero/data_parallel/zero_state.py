@@ -7,7 +7,7 @@ back at another dp size or stage (``fragment_reader``) as well as at its own lay
 
 from __future__ import annotations
 
-from megazero.optimizer.params import find_fragment
+from megazero.data_parallel.params import find_fragment
 
 
 class ZeroCheckpointState:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megazero import comm
+from megazero.distributed import comm
+from megazero.tensor_parallel.meta import meta_of
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Zero3Gathering:
             bucket = self.layout.buckets[b]
             for pr in bucket.params:
                 view = full[pr.start - bucket.start:pr.end - bucket.start]
-                self._set_data(pr.param, view.view(pr.param.mz_local_shape))
+                self._set_data(pr.param, view.view(meta_of(pr.param).local_shape))
             unit.fulls[b] = full
             self._storages[full.untyped_storage().data_ptr()] = (unit, b)
         unit.gathered = True
