@@ -99,7 +99,7 @@ def _worker(rank, world, port, task, argv, root, out):
     sys.path.insert(0, REPO)
     try:
         import pretrain_gpt2
-        from megazero import checkpointing
+        from megazero import checkpoint
         from megazero.arguments import parse_args
         from megazero.data_parallel import build_optimizer
         from megazero.distributed.init import init_distributed
@@ -123,7 +123,7 @@ def _worker(rank, world, port, task, argv, root, out):
                       ps=ps, tracker=tracker)
         result = {"rank": rank}
         if task == "save":
-            checkpointing.save_checkpoint(root, 1, consumed_train_samples=gbs, **common)
+            checkpoint.save_checkpoint(root, 1, consumed_train_samples=gbs, **common)
         else:
             dist.barrier()
             rss_before = _status_kb("VmRSS")
@@ -132,7 +132,7 @@ def _worker(rank, world, port, task, argv, root, out):
             anon_before = _status_kb("RssAnon")
             sampler.start()
             t0 = time.perf_counter()
-            checkpointing.load_checkpoint(root, **common)
+            checkpoint.load_checkpoint(root, **common)
             result["load_s"] = time.perf_counter() - t0
             sampler.stop.set()
             sampler.join()

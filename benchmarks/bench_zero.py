@@ -176,7 +176,7 @@ def _worker(rank, world, port, argv, out, verbose, env):
         hwm = _status_kb("VmHWM") * 1024
         stats = comm.STATS.snapshot()
         sent, wire_sent = comm.STATS.total_sent(), wire[0]
-        optimizer, model = history["optimizer"], history["model"]
+        optimizer, model = history.optimizer, history.model
         psi = sum(param_numel(p) for _, p in collect_named_params(model))
         steps = [b - a for a, b in zip(marks, marks[1:])]
         steps[-1] -= rss.get("probe_s", 0.0)
@@ -189,7 +189,7 @@ def _worker(rank, world, port, argv, out, verbose, env):
                   "held_gathered": rss.get("held_gathered"),
                   "padded_numel": optimizer.layout.numel,
                   "step_s": statistics.median(steps[1:] or steps),
-                  "decisions": comm.ring_decisions(), "loss": history["lm loss"]}
+                  "decisions": comm.ring_decisions(), "loss": history.history["lm loss"]}
         out.put(("ok", result))
         dist.barrier()
         dist.destroy_process_group()

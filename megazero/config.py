@@ -346,6 +346,12 @@ class MegazeroConfig:
         dp = self.parallel.data_parallel_size
         return self.train.global_batch_size // (self.train.micro_batch_size * dp)
 
+    def replace_model(self, **fields) -> MegazeroConfig:
+        """A new config with these ``ModelConfig`` fields changed, validated again."""
+        d = self.to_dict()
+        d["model"].update(fields)
+        return MegazeroConfig.from_dict(d)
+
     def to_dict(self) -> dict:
         """Plain nested dict (for checkpoints loaded with ``weights_only=True``)."""
         return dataclasses.asdict(self)

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from megazero import checkpointing
+from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.data_parallel import build_optimizer
 from megazero.distributed.parallel_state import ParallelState
@@ -90,16 +90,15 @@ class Engine:
 
     def save_checkpoint(self, save_dir: str) -> str:
         """Megatron-layout checkpoint (model, ZeRO shards, RNG) at ``global_steps``."""
-        return checkpointing.save_checkpoint(
+        return save_checkpoint(
             save_dir, self.global_steps, model_chunks=[self.module], optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, config=self.config, ps=self.ps,
             consumed_train_samples=self.global_steps)
 
     def load_checkpoint(self, load_dir: str) -> int:
-        it, _ = checkpointing.load_checkpoint(load_dir, model_chunks=[self.module],
-                                              optimizer=self.optimizer,
-                                              lr_scheduler=self.lr_scheduler,
-                                              config=self.config, ps=self.ps)
+        loaded = load_checkpoint(load_dir, model_chunks=[self.module], optimizer=self.optimizer,
+                                 lr_scheduler=self.lr_scheduler, config=self.config, ps=self.ps)
+        it = loaded.start_iteration
         self.global_steps = it
         self.micro_steps = it * self.gas
         return it

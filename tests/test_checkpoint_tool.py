@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from megazero.checkpointing import read_tracker
+from megazero.checkpoint import read_tracker
 from megazero.distributed import comm
 from megazero.distributed.parallel_state import rank_grid
 from megazero.tensor_parallel.meta import meta_of

@@ -11,7 +11,7 @@ from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import DynamicGradScaler
 from megazero.training import pretrain
 from tests.dist_helper import run_distributed
-from tests.train_helper import TINY
+from tests.train_helper import TINY, plain_history
 
 
 def test_dynamic_scaler_hysteresis_and_growth():
@@ -57,11 +57,9 @@ def _forward_with_inf(data_iterator, model):
 def _fp16_run(argv):
     _forward_with_inf.calls = 0
     config = parse_args(argv, world_size=dist.get_world_size())
-    history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
-                       pretrain_gpt2.model_provider, _forward_with_inf, config)
-    for key in ("model", "optimizer", "parallel_state"):  # live objects stay in the worker
-        history.pop(key)
-    return history
+    result = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
+                      pretrain_gpt2.model_provider, _forward_with_inf, config)
+    return plain_history(result)  # live objects stay in the worker
 
 
 def test_fp16_training_skips_overflowing_iteration():

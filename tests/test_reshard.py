@@ -5,8 +5,7 @@ process is the reference for all)."""
 import pytest
 import torch
 
-from megazero.checkpoint_reader import CheckpointReader
-from megazero.checkpointing import CheckpointError
+from megazero.checkpoint import CheckpointError, CheckpointReader
 from tests.train_helper import TINY, assert_same_run, run_training
 
 TP2, PP2 = "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2"

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from megazero.checkpointing import CheckpointError
+from megazero.checkpoint import CheckpointError
 from tests.train_helper import TINY, assert_same_run, run_training
 
 ITERS = " --train-iters 10"

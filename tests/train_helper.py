@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import pretrain_gpt2
 from megazero.arguments import parse_args
+from megazero.checkpoint.reshard import assemble
 from megazero.data_parallel.zero3 import GatheredParameters
-from megazero.reshard import assemble
 from megazero.tensor_parallel.meta import meta_of
 from megazero.training import pretrain
 from tests.dist_helper import run_distributed
@@ -25,12 +25,11 @@ TINY = ("--mock-data --vocab-size 96 --make-vocab-size-divisible-by 8 --num-laye
 
 def _train_worker(argv):
     config = parse_args(argv, world_size=dist.get_world_size())
-    history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
-                       pretrain_gpt2.model_provider,
-                       pretrain_gpt2.forward_step, config)
-    ps = history.pop("parallel_state")
-    optimizer = history.pop("optimizer")
-    model = history.pop("model")
+    result = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
+                      pretrain_gpt2.model_provider,
+                      pretrain_gpt2.forward_step, config)
+    ps, optimizer, model = result.parallel_state, result.optimizer, result.model
+    history = plain_history(result)
     memory = optimizer.memory_report()  # before gathering everything below
     pieces = {}
     with GatheredParameters([p for c in model for p in c.parameters()]):
@@ -42,6 +41,13 @@ def _train_worker(argv):
                 pieces[name] = (p.detach().float().clone(), meta.shard.to_dict())
     return {"history": history, "pieces": pieces, "dp_rank": ps.dp_rank,
             "rank": dist.get_rank(), "memory": memory}
+
+
+def plain_history(result) -> dict:
+    """A pretrain result as picklable values: the history plus where training ended."""
+    return {**result.history, "iteration": result.iteration,
+            "consumed_train_samples": result.consumed_train_samples,
+            "skipped_iters": result.skipped_iters, "nan_iters": result.nan_iters}
 
 
 def run_training(argv: str, world: int, timeout: float = 300):

@@ -7,9 +7,7 @@
 One process runs at tp=1; under torchrun the world is the tensor-parallel group (tp = world
 size unless ``--tensor-model-parallel-size`` says; dp ranks, if any, generate the same text).
 Pipeline parallelism is not used: the model is always loaded at pp=1. The checkpoint may be
-saved at any tp/pp/dp/ZeRO layout: ``checkpointing.load_checkpoint`` loads it directly when the
-layout matches and through ``reshard.load_resharded`` otherwise (``--iteration`` always goes
-through the latter).
+saved at any tp/pp/dp/ZeRO layout (``checkpoint.load_checkpoint``, the one load path).
 
 The prompt runs once and fills a KV cache (each rank keeps the keys and values of its own
 heads); every later step runs only the new token against the cache, so a step costs one
@@ -39,14 +37,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint_reader import CheckpointReader
-from megazero.checkpointing import load_checkpoint, read_tracker
+from megazero.checkpoint import CheckpointReader, load_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.distributed import comm
 from megazero.distributed.init import init_distributed, launched_by_torchrun
 from megazero.distributed.parallel_state import ParallelState
 from megazero.model import KVCache, build_gpt_model_chunks
-from megazero.reshard import load_resharded
 from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tokenizer.null import NullTokenizer
 
@@ -120,12 +116,8 @@ def load_model(root: str, *, iteration=None, tp: int | None = None, device=None)
     else:
         ps = ParallelState.build(tp, 1, device=device)
     model = build_gpt_model_chunks(config.model, ps, device=ps.device)[0]
-    if iteration is None or iteration == read_tracker(root):
-        load_checkpoint(root, model_chunks=[model], optimizer=None, lr_scheduler=None,
-                        config=config, ps=ps)
-    else:
-        load_resharded(root, reader.iteration, reader.layout, model_chunks=[model],
-                       optimizer=None, lr_scheduler=None, config=config, ps=ps)
+    load_checkpoint(root, model_chunks=[model], optimizer=None, lr_scheduler=None,
+                    config=config, ps=ps, iteration=reader.iteration)
     model.eval()
     return model, config, ps
 

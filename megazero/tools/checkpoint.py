@@ -15,7 +15,7 @@ tp/pp/dp/ZeRO layout; it is read through ``CheckpointReader`` (memory-mapped, te
   in the layout you will run: model, optimizer (fp32 main values and states as stage-0
   fragments, step, loss scaler), scheduler, iteration, consumed samples and args, so
   ``pretrain_gpt2.py --load OUT`` at that layout resumes. RNG states carry over when the grid
-  is unchanged, else they are re-derived as the resharding loader does (``reshard``).
+  is unchanged, else they are re-derived as the loader does (``checkpoint.rng``).
 * ``to-hf`` / ``from-hf``: GPT-2 in Hugging Face's ``GPT2LMHeadModel`` layout (``tools.hf``);
   from-hf writes iteration ``release``, which megazero loads with --finetune semantics
   (iteration 0, no optimizer state). The tokenizer files of a GPT-2 BPE checkpoint travel too.
@@ -34,8 +34,9 @@ import sys
 import numpy as np
 import torch
 
-from megazero.checkpoint_reader import CheckpointReader
-from megazero.checkpointing import CheckpointError, get_rng_state, iteration_dir
+from megazero.checkpoint.paths import CheckpointError, iteration_dir
+from megazero.checkpoint.reader import CheckpointReader
+from megazero.checkpoint.rng import get_rng_state, rederive_rng
 from megazero.config import (
     ConfigError,
     DataConfig,
@@ -44,6 +45,7 @@ from megazero.config import (
     ParallelConfig,
 )
 from megazero.tensor_parallel.layers import padded_vocab_size
+from megazero.tensor_parallel.random import RNGStatesTracker
 from megazero.tools import hf
 from megazero.tools.offline import offline_parallel_state, target_config, write_checkpoint
 
@@ -185,23 +187,21 @@ def cmd_inspect(a) -> int:
 # ---- convert ---------------------------------------------------------------------------------
 def _rng_fn(reader: CheckpointReader, config: MegazeroConfig, first: dict):
     """Per-cell RNG states for the converted checkpoint: the saved ones when the (tp, pp, dp)
-    grid is unchanged, else re-derived as ``reshard.load_resharded`` would."""
+    grid is unchanged, else re-derived as ``checkpoint.load_checkpoint`` would."""
     if "rng_state" not in first or reader.iteration == "release":
         return None
     par = config.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if (reader.tp, reader.pp, reader.dp) == (tp, pp, 1):
         return lambda t, p: reader.model_file(t, p)["rng_state"]
-    from megazero.reshard import _rederive_rng
-    from megazero.tensor_parallel.random import RNGStatesTracker
 
     def derive(t, p):
         saved = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):
                 tracker = RNGStatesTracker()
-                _rederive_rng(config, offline_parallel_state(tp, t, pp, p),
-                              int(first["iteration"]), tracker)
+                rederive_rng(config.train.seed, int(first["iteration"]),
+                             offline_parallel_state(tp, t, pp, p), tracker)
                 return [get_rng_state(tracker)]
         finally:
             random.setstate(saved[0])

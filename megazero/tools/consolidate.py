@@ -1,6 +1,6 @@
 """Full tensors of a checkpoint saved at any layout, in one process without process groups.
 
-Thin wrapper of ``megazero.checkpoint_reader.CheckpointReader``: each parameter is rebuilt from
+Thin wrapper of ``megazero.checkpoint.CheckpointReader``: each parameter is rebuilt from
 the saved cells and ZeRO fragments, padding removed; pipeline stages hold disjoint parameters
 (the tied embedding is taken once). Used by ``zero_to_fp32`` and the checkpoint tool.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.checkpoint_reader import CheckpointReader
+from megazero.checkpoint.reader import CheckpointReader
 
 
 def consolidate(root: str, iteration=None, kind: str | None = None,

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from megazero.checkpointing import atomic_save, atomic_write_text
+from megazero.checkpoint.paths import atomic_save, atomic_write_text
 
 PREFIX = "transformer."
 _LAYER_MAP = {  # HF suffix -> (megazero suffix, transposed)

@@ -4,8 +4,8 @@ Each cell (tp rank, pp rank) of the target layout is built as a ``GPTModel`` on 
 with ``comm.OfflineGroup`` stand-ins for its groups (``offline_parallel_state``): that gives the
 cell's parameter names, local shapes and ``ShardInfo`` exactly as a training run at that layout
 would create them, and no memory. ``write_checkpoint`` then fills each cell from full (logical,
-unpadded) tensors with ``reshard.cut`` (vocabulary padding re-applied) and writes Megatron's
-layout for dp=1 and ZeRO stage 0::
+unpadded) tensors with ``checkpoint.reshard.cut`` (vocabulary padding re-applied) and writes
+Megatron's layout for dp=1 and ZeRO stage 0::
 
     OUT/iter_0000100/mp_rank_00_001/model_optim_rng.pt   model, param_meta, args, layout,
                                                           optimizer (stage-0 fragments), ...
@@ -13,38 +13,34 @@ layout for dp=1 and ZeRO stage 0::
     OUT/latest_checkpointed_iteration.txt                 written last
 
 Files are written atomically (temporary name + rename) and the tracker last, as
-``checkpointing.save_checkpoint`` does. A stage's cells are filled together, so each full
+``checkpoint.save_checkpoint`` does. A stage's cells are filled together, so each full
 tensor is read once and peak memory is about one pipeline stage of the target layout.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 from collections.abc import Callable
 
 import torch
 
-from megazero.checkpointing import (
-    CHECKPOINT_VERSION,
-    LAYOUT_FILE,
+from megazero.checkpoint.paths import (
     MODEL_FILE,
     CheckpointError,
     atomic_save,
     atomic_write_text,
+    cell_dir,
     iteration_dir,
-    model_shape,
-    mp_dir_name,
-    param_meta,
     tracker_path,
 )
+from megazero.checkpoint.reshard import cut
+from megazero.checkpoint.save import model_file_state, param_meta, write_layout_file
 from megazero.config import MegazeroConfig
 from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState, rank_grid, rank_of
 from megazero.model import build_gpt_model_chunks
-from megazero.reshard import cut
 from megazero.tensor_parallel.meta import meta_of
 
 
@@ -98,10 +94,6 @@ def target_config(args: dict, tp: int, pp: int) -> MegazeroConfig:
     return MegazeroConfig.from_dict(d)
 
 
-def _cell_rng(rng_fn, tp_rank, pp_rank):
-    return None if rng_fn is None else rng_fn(tp_rank, pp_rank)
-
-
 def write_checkpoint(out: str, iteration: int | str, config: MegazeroConfig, *,
                      full_tensor: Callable[[str, str], torch.Tensor],
                      optimizer: dict | None = None, scheduler: dict | None = None,
@@ -136,17 +128,16 @@ def write_checkpoint(out: str, iteration: int | str, config: MegazeroConfig, *,
     for pp_rank in range(pp):
         cells = [build_cell(config.model, tp, t, pp, pp_rank) for t in range(tp)]
         states = []
-        for cell in cells:
-            st = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": saved_iteration,
-                  "consumed_train_samples": int(consumed_train_samples), "args": args,
-                  "layout": layout, "param_meta": param_meta([cell]), "model": {}}
-            if optimizer is not None:
-                st["optimizer"] = {"zero_stage": 0, "step": int(optimizer["step"]),
-                                   "scaler": optimizer["scaler"], "fragments": {},
-                                   "state_names": list(optimizer["state_names"])}
-            if scheduler is not None:
-                st["opt_param_scheduler"] = dict(scheduler)
-            states.append(st)
+        for t, cell in enumerate(cells):
+            states.append(model_file_state(
+                iteration=saved_iteration, consumed_train_samples=int(consumed_train_samples),
+                args=args, layout=layout, meta=param_meta([cell]), models={"model": {}},
+                scheduler=None if scheduler is None else dict(scheduler),
+                rng=None if rng_fn is None else rng_fn(t, pp_rank),
+                optimizer=None if optimizer is None else {
+                    "zero_stage": 0, "step": int(optimizer["step"]),
+                    "scaler": optimizer["scaler"], "fragments": {},
+                    "state_names": list(optimizer["state_names"])}))
         for name, _ in cells[0].named_parameters():
             full = {k: full_tensor(name, k) for k in kinds}
             for cell, st in zip(cells, states):
@@ -159,14 +150,9 @@ def write_checkpoint(out: str, iteration: int | str, config: MegazeroConfig, *,
                     st["optimizer"]["fragments"][name] = [frag]
             del full
         for t, st in enumerate(states):
-            rng = _cell_rng(rng_fn, t, pp_rank)
-            if rng is not None:
-                st["rng_state"] = rng
-            path = os.path.join(base, mp_dir_name(t, pp_rank, pp), MODEL_FILE)
-            atomic_save(st, path)
+            atomic_save(st, os.path.join(cell_dir(out, iteration, t, pp_rank, pp), MODEL_FILE))
         del states
-    atomic_write_text(os.path.join(base, LAYOUT_FILE),
-                      json.dumps({"layout": layout, "model": model_shape(config)}, indent=1))
+    write_layout_file(out, iteration, layout, config)
     atomic_write_text(tracker_path(out), f"{iteration}\n")
     return base
 

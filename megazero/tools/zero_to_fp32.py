@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megazero.checkpointing import CheckpointError, atomic_save
+from megazero.checkpoint.paths import CheckpointError, atomic_save
 from megazero.tools.consolidate import consolidate
 
 

@@ -6,7 +6,9 @@ rank holding per-parameter fragments (flat ranges of the cell's local tensor: fp
 optimizer states, and under ZeRO-3 the model values). ``read_flat`` returns the values of a
 flat range of a tensor laid out for *another* layout (its ``ShardInfo`` and local shape): it
 maps each position to the logical full tensor, finds the saved cell and fragment holding it
-and copies just that. Files are memory-mapped (``torch.load(mmap=True, weights_only=True)``),
+and copies just that. When the slice asked for is one a saved cell holds (a load at the saved
+layout) it is copied as it is, with no index arithmetic: the same-layout load is this
+reader's special case. Files are memory-mapped (``torch.load(mmap=True, weights_only=True)``),
 so a rank touches only the pages of its own slices and never builds the full model. No
 process group is needed.
 """
@@ -19,27 +21,18 @@ from functools import cache
 import numpy as np
 import torch
 
-from megazero.checkpointing import (
+from megazero.checkpoint.paths import (
     MODEL_FILE,
     CheckpointError,
+    cell_dir,
     iteration_dir,
-    mp_dir_name,
+    load_file,
     read_tracker,
+    saved_pp_size,
     zero_shard_name,
 )
-from megazero.reshard import assemble
 from megazero.tensor_parallel.initializers import _global_flat_index
 from megazero.tensor_parallel.meta import ShardInfo
-
-
-def mmap_load(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} does not exist")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated "
-                              f"({type(exc).__name__}: {exc})") from exc
 
 
 class CheckpointReader:
@@ -53,8 +46,8 @@ class CheckpointReader:
                 raise CheckpointError(f"{root} has no latest_checkpointed_iteration.txt")
         self.iteration = iteration
         self.base = iteration_dir(root, iteration)
-        pp_probe = 1 if os.path.isdir(os.path.join(self.base, "mp_rank_00")) else 2
-        first = mmap_load(os.path.join(self.base, mp_dir_name(0, 0, pp_probe), MODEL_FILE))
+        first = load_file(os.path.join(cell_dir(root, iteration, 0, 0, saved_pp_size(self.base)),
+                                       MODEL_FILE), mmap=True)
         self.layout, self.args = first["layout"], first["args"]
         self.tp, self.pp, self.dp = self.layout["tp"], self.layout["pp"], self.layout["dp"]
         self.stage = self.layout["zero_stage"]
@@ -63,13 +56,14 @@ class CheckpointReader:
         self._where = {}
 
     def cell_dir(self, tp_rank: int, pp_rank: int) -> str:
-        return os.path.join(self.base, mp_dir_name(tp_rank, pp_rank, self.pp))
+        return cell_dir(self.root, self.iteration, tp_rank, pp_rank, self.pp)
 
     def _model_file(self, tp_rank: int, pp_rank: int) -> dict:
-        return mmap_load(os.path.join(self.cell_dir(tp_rank, pp_rank), MODEL_FILE))
+        return load_file(os.path.join(self.cell_dir(tp_rank, pp_rank), MODEL_FILE), mmap=True)
 
     def _shard(self, tp_rank: int, pp_rank: int, dp_rank: int) -> dict:
-        return mmap_load(os.path.join(self.cell_dir(tp_rank, pp_rank), zero_shard_name(dp_rank)))
+        return load_file(os.path.join(self.cell_dir(tp_rank, pp_rank), zero_shard_name(dp_rank)),
+                         mmap=True)
 
     # ---- metadata --------------------------------------------------------------------------
     def param_names(self) -> list[str]:
@@ -160,10 +154,27 @@ class CheckpointReader:
             raise CheckpointError(f"{name}: checkpoint holds full shape "
                                   f"{list(meta0['full_shape'])}, the current model "
                                   f"{list(shard.full_shape)}")
+        saved_tp = self._cell_with_slice(name, shard, local_shape)
+        if saved_tp is not None:  # this layout's slice is a saved one: copy it as it is
+            return self._saved_rows(name, kind, saved_tp, start, end, 1).view(-1)
         if len(local_shape) <= 2 and meta0.get("dim") in (None, 0, len(local_shape) - 1) \
                 and shard.dim in (None, meta0.get("dim")):
             return self._read_rows(name, kind, shard, tuple(local_shape), start, end)
         return self._read_indexed(name, kind, shard, local_shape, start, end)
+
+    def _cell_with_slice(self, name: str, shard: ShardInfo, local_shape) -> int | None:
+        """The saved tp rank whose local tensor of ``name`` is exactly the slice asked for
+        (same dim, start, length and local shape): a load at the saved layout, where nothing
+        needs cutting. None when no saved cell matches."""
+        local_shape = [int(s) for s in local_shape]
+        want = (shard.dim, shard.start if shard.dim is not None else 0,
+                shard.logical_length() if shard.dim is not None else None)
+        for t in range(self.tp if self.meta(name).get("dim") is not None else 1):
+            meta = self.meta(name, t)
+            have = (meta.get("dim"), meta.get("start", 0), meta.get("length"))
+            if have == want and list(meta["local_shape"]) == local_shape:
+                return t
+        return None
 
     # ---- rows: contiguous copies (the common case: 1-D and 2-D tensors) ------------------
     def _saved_rows(self, name, kind, tp_rank, row0, row1, cols) -> torch.Tensor:
@@ -293,4 +304,4 @@ def _ravel(coords: torch.Tensor, shape) -> torch.Tensor:
     return flat
 
 
-__all__ = ["CheckpointReader", "mmap_load", "assemble"]
+__all__ = ["CheckpointReader"]

@@ -1,0 +1,108 @@
+"""What training reports: Megatron's log line, validation lines, TensorBoard, memory.
+
+Printed by the last rank (it holds the loss of the last pipeline stage) through the
+``megazero`` logger, which ``setup_logging`` sends to stdout; other ranks log warnings only.
+Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+
+from megazero.config import MegazeroConfig
+from megazero.distributed.parallel_state import ParallelState
+
+logger = logging.getLogger("megazero.training")
+
+
+def setup_logging(ps: ParallelState) -> None:
+    """INFO (the log line) on the last rank, which holds the loss; WARNING elsewhere."""
+    level = logging.INFO if ps.rank == ps.world_size - 1 or ps.rank == 0 else logging.WARNING
+    root = logging.getLogger("megazero")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+
+
+def is_log_rank(ps: ParallelState) -> bool:
+    return ps.rank == ps.world_size - 1
+
+
+def flops_per_iteration(config: MegazeroConfig) -> float:
+    """Megatron's GPT FLOPs per iteration: 24 f B s L h^2 (1 + s/6h + V/16Lh), f = 3 forward +
+    backward, 4 with activation recompute (Narayanan et al., 2021)."""
+    m, t = config.model, config.train
+    b, s, layers, h = t.global_batch_size, m.seq_length, m.num_layers, m.hidden_size
+    factor = 4 if m.recompute_activations else 3
+    v = m.vocab_size or 0
+    return 24 * factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+def training_log_line(config: MegazeroConfig, ps: ParallelState, *, iteration: int, iters: int,
+                      consumed_samples: int, elapsed: float, lr: float, losses: dict,
+                      loss_scale: float, grad_norm: float | None, skipped: int,
+                      nan: int) -> str:
+    """`` iteration N/ M | consumed samples: ... | lm loss: X | ...`` (Megatron's, plus tokens
+    per second and TFLOP/s per rank). ``elapsed``: seconds per iteration."""
+    tcfg = config.train
+    tokens = tcfg.global_batch_size * config.model.seq_length
+    tflops = flops_per_iteration(config) / (elapsed * ps.world_size * 1e12) if elapsed else 0.0
+    line = f" iteration {iteration:8d}/{iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed * 1000.0:.1f} |"
+    line += f" learning rate: {lr:.3E} |"
+    line += f" global batch size: {tcfg.global_batch_size:5d} |"
+    for k, v in losses.items():
+        line += f" {k}: {v:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None and math.isfinite(grad_norm):
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} |"
+    line += f" number of nan iterations: {nan:3d} |"
+    line += f" tokens per second: {tokens / elapsed:.1f} |" if elapsed else ""
+    line += f" TFLOP/s per rank: {tflops:.3f} |"
+    return line
+
+
+def log_validation(prefix: str, totals: dict) -> None:
+    """Megatron's validation block: a bar, `` validation loss at <prefix> | ...``, a bar."""
+    line = f" validation loss at {prefix} |"
+    for k, v in totals.items():
+        line += f" {k} value: {v:.6E} | {k} PPL: {math.exp(min(20, v)):.6E} |"
+    bar = "-" * (len(line) + 1)
+    logger.info(bar)
+    logger.info(line)
+    logger.info(bar)
+
+
+class TensorBoard:
+    """Scalars to ``--tensorboard-dir`` from the logging rank, when tensorboard is installed."""
+
+    def __init__(self, path):
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=path, max_queue=1000)
+        except ImportError:
+            logger.warning("--tensorboard-dir given but tensorboard is not installed "
+                           "(pip install tensorboard); not writing events")
+
+    def add(self, values: dict, step: int):
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+
+def log_memory(optimizer, ps: ParallelState) -> None:
+    """Per-rank bytes of model states (ZeRO's accounting), once, from every rank."""
+    report = optimizer.memory_report()
+    mb = {k: round(v / 2**20, 2) for k, v in report.items()}
+    logging.getLogger("megazero.memory").warning(
+        "[rank %d] memory (MB) of model states after the first iteration: %s", ps.rank, mb)
