@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from megazero.arguments import parse_args
-from megazero.model import build_gpt_model_chunks
+from megazero.model import build_gpt_model_chunks, gpt_zero3_units
 from megazero.training import pretrain
 from megazero.training.data import default_datasets_provider
 
@@ -29,6 +29,10 @@ def model_provider(config, ps, tracker):
                                   seed=None if zero3 else config.train.seed,
                                   sequence_parallel=config.parallel.sequence_parallel,
                                   device="meta" if zero3 else ps.device)
+
+
+# ZeRO-3 gathers an embedding, a transformer layer or the final LayerNorm at a time.
+zero3_unit_policy = gpt_zero3_units
 
 
 def train_valid_test_datasets_provider(config, tokenizer, train_val_test_num_samples, ps):
@@ -53,4 +57,5 @@ def forward_step(data_iterator, model):
 
 
 if __name__ == "__main__":
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, parse_args())
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, parse_args(),
+             zero3_unit_policy=zero3_unit_policy)

@@ -202,7 +202,8 @@ def _real_worker(rank, world, port, configs, args, outdir):
         argv = REAL_ARGV.format(iters=1 + args.iters, trace=trace).split()
         pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
                  pretrain_gpt2.model_provider, pretrain_gpt2.forward_step,
-                 parse_args(argv, world_size=world))
+                 parse_args(argv, world_size=world),
+                 zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
     dist.destroy_process_group()
 
 

@@ -124,7 +124,7 @@ def _worker(rank, world, port, argv, out, verbose, env):
         import pretrain_gpt2
         from megazero.arguments import parse_args
         from megazero.data_parallel.layout import param_numel
-        from megazero.data_parallel.zero import collect_named_params
+        from megazero.data_parallel.params import collect_named_params
         from megazero.distributed import comm
         from megazero.training import pretrain
 
@@ -171,7 +171,8 @@ def _worker(rank, world, port, argv, out, verbose, env):
             return output, measured_loss_func
 
         history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
-                           pretrain_gpt2.model_provider, forward_step, config)
+                           pretrain_gpt2.model_provider, forward_step, config,
+                           zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
         marks.append(time.perf_counter())
         hwm = _status_kb("VmHWM") * 1024
         stats = comm.STATS.snapshot()

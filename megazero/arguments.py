@@ -113,6 +113,9 @@ def _add_optimizer_args(parser):
     g.add_argument("--zero-overlap-comm", action="store_true")
     g.add_argument("--zero-param-persistence-threshold", type=int, default=0)
     g.add_argument("--no-zero-prefetch", dest="zero_prefetch", action="store_false")
+    g.add_argument("--no-zero3-order-check", dest="zero3_order_check", action="store_false",
+                   help="skip ZeRO-3's check that dp ranks issue collectives in one order "
+                        "(a tiny all-gather before each; on by default)")
     g.add_argument("--cpu-offload", "--zero-offload-optimizer", dest="cpu_offload",
                    action="store_true")
     g.add_argument("--cpu-torch-adam", action="store_true",

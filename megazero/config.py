@@ -164,6 +164,7 @@ class OptimizerConfig:
     zero_overlap_comm: bool = False
     zero_param_persistence_threshold: int = 0  # elements; params at or below stay whole
     zero_prefetch: bool = True
+    zero3_order_check: bool = True  # all-gather (kind, bucket, seq) before each collective
     cpu_offload: bool = False
     cpu_torch_adam: bool = False
     use_fused_step: bool = True  # fused unscale+clip+adam+cast kernel when built

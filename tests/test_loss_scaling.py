@@ -58,7 +58,8 @@ def _fp16_run(argv):
     _forward_with_inf.calls = 0
     config = parse_args(argv, world_size=dist.get_world_size())
     result = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
-                      pretrain_gpt2.model_provider, _forward_with_inf, config)
+                      pretrain_gpt2.model_provider, _forward_with_inf, config,
+                      zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
     return plain_history(result)  # live objects stay in the worker
 
 

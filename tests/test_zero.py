@@ -210,13 +210,13 @@ def _zero3_frees_gathered_buffers():
     engine = initialize(model, OptimizerConfig(zero_stage=3, zero_prefetch=False), ps)
     opt = engine.optimizer
     buffers = []
-    original = opt._materialize_unit
+    original = opt.gatherer.materialize
 
     def spy(unit, fulls):
         buffers.extend(weakref.ref(f) for f in fulls)
         return original(unit, fulls)
 
-    opt._materialize_unit = spy
+    opt.gatherer.materialize = spy
     def alive():
         # gloo's worker thread drops its reference to a finished collective's output a moment
         # after wait() returns: poll briefly before counting

@@ -27,7 +27,8 @@ def _train_worker(argv):
     config = parse_args(argv, world_size=dist.get_world_size())
     result = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
                       pretrain_gpt2.model_provider,
-                      pretrain_gpt2.forward_step, config)
+                      pretrain_gpt2.forward_step, config,
+                      zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
     ps, optimizer, model = result.parallel_state, result.optimizer, result.model
     history = plain_history(result)
     memory = optimizer.memory_report()  # before gathering everything below

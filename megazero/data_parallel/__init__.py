@@ -10,11 +10,14 @@ from megazero.data_parallel.zero import ZeroOptimizer
 from megazero.data_parallel.zero3 import GatheredParameters, Zero3Optimizer, ZeroOrderError
 
 
-def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int = 0):
-    """``seed`` initialises ZeRO-3 parameters built on the meta device (by name)."""
+def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int = 0,
+                    unit_policy=None):
+    """The optimizer of ``--zero-stage``. ZeRO-3 only: ``seed`` initialises parameters built
+    on the meta device (by name), ``unit_policy(chunk)`` says which modules are gathered
+    together (default: each module with direct parameters; see ``zero3_units``)."""
     if opt_config.zero_stage == 3:
         return Zero3Optimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
-                              seed=seed)
+                              seed=seed, unit_policy=unit_policy)
     return ZeroOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler)
 
 

@@ -43,6 +43,14 @@ def collect_named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
+def model_dtype(named) -> torch.dtype:
+    """The one dtype of the trainable parameters (the flat buffers hold one dtype)."""
+    dtypes = sorted({p.dtype for _, p in named}, key=str)
+    if len(dtypes) != 1:
+        raise ValueError(f"all trainable parameters must share one dtype, got {dtypes}")
+    return dtypes[0]
+
+
 def find_fragment(frags, seg):
     """The saved optimizer fragment covering exactly ``seg`` (a layout segment)."""
     for entry in frags.get(seg.name, []):

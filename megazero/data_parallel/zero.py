@@ -1,23 +1,24 @@
 """Data-parallel optimizer over flat buffers: plain DP (ZeRO-0) and ZeRO stages 1 and 2.
 
-Parallelises the optimizer over the data-parallel group of the ``ParallelState`` passed in.
+Parallelises the optimizer over the data-parallel group of the ``ParallelState`` passed in,
+by composition of four parts:
 
-* Parameters of each dtype live in one flat buffer (``FlatLayout``), cut into buckets; each
-  bucket is split into dp chunks and dp rank r owns chunk r (stages 1-2).
-* Stage 0: gradients accumulate in a flat buffer, are all-reduced per bucket, and every rank
-  updates everything (fp32 main copy for bf16/fp16 models).
-* Stage 1: the full gradient buffer is reduce-scattered per bucket at the accumulation
-  boundary; each rank keeps fp32 main params and optimizer states of its chunks only, updates
-  them and all-gathers the new parameters.
-* Stage 2: as stage 1, but each micro-batch's gradients are copied into a bucket as they become
-  ready in backward (post-accumulate hooks), reduce-scattered, and only the owned slice is kept
-  (accumulated across micro-batches); no full gradient buffer exists.
+* the layout (``FlatLayout``): parameters of one dtype back to back in buckets, each bucket
+  split into dp chunks; dp rank r owns chunk r of every bucket (stages 1-2; stage 0 owns
+  everything);
+* the parameter storage (``FlatParams``): one flat buffer the parameters are views of, whose
+  owned chunks the step updates and all-gathers (ZeRO-3 brings its partitioned storage);
+* the gradient storage (``grads``): the full buffer (stages 0-1: accumulate, reduce once) or
+  the owned partition (stages 2-3: reduce each bucket as backward fills it), reduced bucket by
+  bucket by the ``BucketReducer`` and finalised over tp and the embedding group
+  (``finalize``);
+* the update rule (``optim.rules``) on fp32 segments of the owned partition, with fp32 main
+  values (a copy for bf16/fp16 models, the parameter storage itself for fp32), optimizer
+  states of the owned partition only, and the loss scaler.
 
-After the data-parallel reduction, gradients of sequence-parallel parameters are all-reduced
-over tp and those of the word embedding tied across pipeline stages over the embedding group
-(it sits alone in its bucket so both stages own the same slice). The global gradient norm
-counts every element once (tp replicas and the tied copy excluded), overflow is agreed across
-all ranks, and the step folds loss-scale, dp averaging and clipping into one factor.
+The step computes the global gradient norm (every element once), agrees on overflow, folds
+loss scale, dp averaging and clipping into one factor, applies the rule and all-gathers the
+updated parameters. ``--cpu-offload`` keeps main values and states in host memory.
 """
 
 from __future__ import annotations
@@ -28,39 +29,79 @@ import math
 
 import torch
 
+from megazero.data_parallel.finalize import finalize_model_grads, grad_norm_sq
+from megazero.data_parallel.grads import grad_storage
 from megazero.data_parallel.layout import FlatLayout
 from megazero.data_parallel.params import (
-    all_reduce_list,
     collect_named_params,
-    counted_in_norm,
+    find_fragment,
+    model_dtype,
     no_weight_decay,
     tied_across_stages,
 )
-from megazero.data_parallel.zero_state import ZeroCheckpointState
+from megazero.data_parallel.reducer import BucketReducer
 from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim.grad_scaler import build_grad_scaler
-from megazero.optim.rules import LambRule, SegmentView, build_rule
+from megazero.optim.rules import ParamTable, SegmentView, build_rule
 from megazero.tensor_parallel.meta import meta_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroOptimizer", "collect_named_params", "no_weight_decay", "counted_in_norm",
-           "tied_across_stages"]
+
+class FlatParams:
+    """Every parameter as a view of one flat buffer (stages 0-2): the owned chunk of a bucket
+    is updated in place by the step, then the full bucket is all-gathered."""
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device):
+        self.layout = layout
+        self.buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
+        for pr in layout.ranges.values():
+            view = self.buffer[pr.start:pr.end]
+            view.copy_(pr.param.data.reshape(-1))
+            pr.param.data = view.view(pr.param.shape)
+
+    def owned_chunk(self, bucket) -> torch.Tensor:
+        c0, c1 = self.layout.owned_chunk(bucket)
+        return self.buffer[c0:c1]
+
+    def replicated_buckets(self):
+        """Buckets whose full parameters every rank holds (all-gathered after the step)."""
+        return self.layout.buckets
+
+    def full_bucket(self, bucket) -> torch.Tensor:
+        return self.buffer[bucket.start:bucket.end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
 
 
-class ZeroOptimizer(ZeroCheckpointState):
-    """ZeRO stages 0-2 over ``model_chunks`` (``torch.nn.Module`` list) on ``ps.dp_group``."""
+def bucketed_layout(named, ps: ParallelState, opt_config, shard: bool) -> FlatLayout:
+    """Stages 0-2: greedy buckets of ``--zero-reduce-bucket-size`` elements in backward order
+    (the last layers' gradients are ready first); the tied embedding alone in its bucket."""
+    ordered = list(reversed(named))
+    tied = {n for n, p in named if tied_across_stages(p, ps)}
+    return FlatLayout(ordered, ps.dp_size, ps.dp_rank,
+                      bucket_size=opt_config.zero_reduce_bucket_size, own_bucket=tied,
+                      shard=shard)
 
-    supported_stages = (0, 1, 2)
+
+class ZeroOptimizer:
+    """ZeRO stages 0-2 over ``model_chunks`` (``torch.nn.Module`` list) on ``ps.dp_group``.
+
+    ZeRO-3 (``zero3.Zero3Optimizer``) passes its own ``layout``, ``params`` storage and
+    reducer callbacks; nothing here is overridden.
+    """
 
     def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
-                 named_params=None):
+                 named_params=None, layout: FlatLayout | None = None, params=None,
+                 device: torch.device | None = None, reducer_hooks: dict | None = None):
         self.config, self.ps = opt_config, ps
         self.stage = opt_config.zero_stage
-        if self.stage not in self.supported_stages:
-            raise ValueError(f"{type(self).__name__} handles stages {self.supported_stages}, "
-                             f"got {self.stage}")
+        if layout is None and self.stage == 3:
+            raise ValueError("ZeroOptimizer lays out stages 0-2; ZeRO-3 is Zero3Optimizer "
+                             "(data_parallel.build_optimizer picks it)")
         self.dp_group, self.dp_size, self.dp_rank = ps.dp_group, ps.dp_size, ps.dp_rank
         self.shard = self.stage > 0 and self.dp_size > 1
         self.overlap = opt_config.zero_overlap_comm
@@ -71,220 +112,81 @@ class ZeroOptimizer(ZeroCheckpointState):
         named = named_params or collect_named_params(model_chunks)
         if not named:
             raise ValueError("the model has no trainable parameters")
-        self._build_buffers(named)
-        self._in_no_sync = False
-        self._pending = []  # async reductions in flight: (work, finish)
-        self._callback_queued = False
-        if self.stage >= 2 or self.overlap:
-            self._register_hooks()
+        self.dtype = model_dtype(named)
+        self.low_precision = self.dtype != torch.float32
+        self.device = device if device is not None else named[0][1].device
+        self.layout = layout or bucketed_layout(named, ps, opt_config, self.shard)
+        self.params = params or FlatParams(self.layout, self.dtype, self.device)
+        self.grads = grad_storage(self.stage, self.layout, self.dtype, self.device)
+        self.part_offsets = self.layout.bucket_owned_offsets()
+        self._build_main_and_states()
+        keys = {name: i for i, name in enumerate(self.layout.ranges)}
+        self.param_table = ParamTable(len(keys), torch.tensor(
+            [meta_of(self.layout.ranges[n].param).tensor_parallel for n in keys],
+            dtype=torch.bool))
+        self._views = self._segment_views(keys)
+        self.reducer = BucketReducer(self.layout, self.grads, self.dp_group,
+                                     overlap=self.overlap, **(reducer_hooks or {}))
         self.zero_grad()
 
-    # ---- buffers -------------------------------------------------------------------------
-    def _build_buffers(self, named):
-        dtypes = sorted({p.dtype for _, p in named}, key=str)
-        if len(dtypes) != 1:
-            raise ValueError(f"all trainable parameters must share one dtype, got {dtypes}")
-        self.dtype = dtypes[0]
-        self.low_precision = self.dtype != torch.float32
-        self.device = self._target_device(named)
-        self.layout = self._make_layout(named)
-        lay = self.layout
-        self._build_param_storage(named)
-        self.grad_buffer = None
-        if self.stage < 2:
-            self.grad_buffer = torch.zeros(lay.numel, dtype=self.dtype, device=self.device)
-        part = lay.partition_numel
-        self.part_offsets = lay.bucket_owned_offsets()
-        self.grad_partition = None
-        if self.stage >= 2:
-            self.grad_partition = torch.zeros(part, dtype=self.dtype, device=self.device)
-        # fp32 main copy: for fp32 models the owned chunks of the parameter storage themselves;
-        # with --cpu-offload a separate copy in (pinned, with CUDA) host memory.
+    # ---- fp32 main values and optimizer states of the owned partition --------------------
+    def _build_main_and_states(self) -> None:
+        """fp32 main copy: for fp32 models the owned chunks of the parameter storage
+        themselves; with --cpu-offload a separate copy in (pinned, with CUDA) host memory."""
         self.offload = self.config.cpu_offload
         host = torch.device("cpu") if self.offload else self.device
         pin = self.offload and self.device.type == "cuda"
         self.main_chunks = []
-        for bucket in lay.buckets:
-            chunk = self._owned_model_chunk(bucket)
+        for bucket in self.layout.buckets:
+            chunk = self.params.owned_chunk(bucket)
             if self.offload:
                 main = torch.empty(chunk.numel(), dtype=torch.float32, pin_memory=pin)
                 main.copy_(chunk)
             else:
                 main = chunk.float().clone() if self.low_precision else chunk
             self.main_chunks.append(main)
+        part = self.layout.partition_numel
         self.state = {name: torch.zeros(part, dtype=torch.float32, device=host, pin_memory=pin)
                       for name in self.rule.state_names}
         self.grad_host = torch.zeros(part, dtype=torch.float32, pin_memory=pin) \
             if self.offload else None
-        self.param_keys = {name: i for i, name in enumerate(lay.ranges)}
-        self._views = self._segment_views()
-        self._staging = {}
-        self._ready = [0] * len(lay.buckets)
 
-    def _target_device(self, named):
-        return named[0][1].device
-
-    def _make_layout(self, named) -> FlatLayout:
-        ordered = list(reversed(named))  # backward order: last layers' grads are ready first
-        tied = {n for n, p in named if tied_across_stages(p, self.ps)}
-        return FlatLayout(ordered, self.dp_size, self.dp_rank,
-                          bucket_size=self.config.zero_reduce_bucket_size, own_bucket=tied,
-                          shard=self.shard)
-
-    def _build_param_storage(self, named):
-        """One flat buffer holding every parameter; parameters become views into it."""
-        self.param_buffer = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
-        for pr in self.layout.ranges.values():
-            view = self.param_buffer[pr.start:pr.end]
-            view.copy_(pr.param.data.reshape(-1))
-            pr.param.data = view.view(pr.param.shape)
-
-    def _owned_model_chunk(self, bucket) -> torch.Tensor:
-        """Model-dtype storage of this rank's owned chunk of ``bucket``."""
-        c0, c1 = self.layout.owned_chunk(bucket)
-        return self.param_buffer[c0:c1]
-
-    def _replicated_buckets(self):
-        """Buckets whose full parameters every rank holds (all-gathered after the step)."""
-        return self.layout.buckets
-
-    def _owned_grad(self, seg) -> torch.Tensor:
-        if self.stage >= 2:
-            return self.grad_partition[seg.offset:seg.offset + seg.numel]
-        return self.grad_buffer[seg.start:seg.end]
-
-    def _segment_views(self) -> list[SegmentView]:
+    def _segment_views(self, keys: dict) -> list[SegmentView]:
         views = []
         for seg in self.layout.segments:
             main = self.main_chunks[seg.bucket][seg.chunk_offset:seg.chunk_offset + seg.numel]
-            model = self._owned_model_chunk(self.layout.buckets[seg.bucket])
+            model = self.params.owned_chunk(self.layout.buckets[seg.bucket])
             out = model[seg.chunk_offset:seg.chunk_offset + seg.numel] \
                 if self.low_precision and not self.offload else None
             wd = 0.0 if no_weight_decay(seg.name, seg.param) else self.config.weight_decay
             state = {k: v[seg.offset:seg.offset + seg.numel] for k, v in self.state.items()}
             grad = self.grad_host[seg.offset:seg.offset + seg.numel] if self.offload \
-                else self._owned_grad(seg)
-            views.append(SegmentView(main, grad, out, wd, state, self.param_keys[seg.name]))
+                else self.grads.owned(seg)
+            views.append(SegmentView(main, grad, out, wd, state, keys[seg.name]))
         return views
 
-    # ---- gradient accumulation and reduction ---------------------------------------------
+    # ---- gradients -----------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self._wait_pending()
-        if self.grad_buffer is not None:
-            self.grad_buffer.zero_()
-            for pr in self.layout.ranges.values():
-                pr.param.grad = self.grad_buffer[pr.start:pr.end].view(pr.param.shape)
-        else:
-            self.grad_partition.zero_()
-            for pr in self.layout.ranges.values():
-                pr.param.grad = None
-        self._ready = [0] * len(self.layout.buckets)
+        self.reducer.wait()
+        self.grads.zero()
+        self.reducer.reset()
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Micro-batches inside accumulate locally (stages 0-1); stage 2 reduces anyway."""
-        self._in_no_sync = True
+        """Micro-batches inside accumulate locally (stages 0-1); stages 2-3 reduce anyway."""
+        self.reducer.in_no_sync = True
         try:
             yield
         finally:
-            self._in_no_sync = False
-
-    def _register_hooks(self):
-        self._hook_handles = []
-        for pr in self.layout.ranges.values():
-            h = pr.param.register_post_accumulate_grad_hook(
-                lambda p, pr=pr: self._on_grad_ready(pr))
-            self._hook_handles.append(h)
-
-    def _on_grad_ready(self, pr):
-        if self.stage < 2 and self._in_no_sync:
-            return
-        if self._ready[pr.bucket] < 0:  # bucket already reduced in this backward
-            return
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        bucket = self.layout.buckets[pr.bucket]
-        if self.stage >= 2:
-            staging = self._staging.get(bucket.index)
-            if staging is None:
-                staging = torch.zeros(bucket.numel, dtype=self.dtype, device=pr.param.device)
-                self._staging[bucket.index] = staging
-            off = pr.start - bucket.start
-            staging[off:off + pr.numel].copy_(pr.param.grad.reshape(-1))
-            pr.param.grad = None  # free: only the owned slice is kept
-        self._ready[bucket.index] += 1
-        if self._ready[bucket.index] == len(bucket.params):
-            self._reduce_bucket(bucket, async_op=self.overlap)
-
-    def _end_of_backward(self):
-        self._callback_queued = False
-        if self.stage >= 2:  # buckets whose params did not all get gradients: reduce anyway
-            for bucket in self.layout.buckets:
-                if 0 < self._ready[bucket.index] < len(bucket.params):
-                    self._reduce_bucket(bucket, async_op=False)
-            self._ready = [0] * len(self.layout.buckets)
-
-    def _reduce_bucket(self, bucket, async_op: bool):
-        self._ready[bucket.index] = -len(bucket.params)  # reduced; ignore late hooks
-        if self.stage == 0 or not self.shard:
-            view = self.grad_buffer[bucket.start:bucket.end] if self.stage < 2 \
-                else self._staging.pop(bucket.index)
-            work = comm.all_reduce(view, self.dp_group, async_op=async_op)
-            finish = None if self.stage < 2 else self._accumulate_owned(bucket, view)
-        else:
-            src = self.grad_buffer[bucket.start:bucket.end] if self.stage == 1 \
-                else self._staging.pop(bucket.index)
-            c0, c1 = self.layout.owned_chunk(bucket)
-            out = torch.empty(c1 - c0, dtype=self.dtype, device=src.device)
-            work = comm.reduce_scatter_into(out, src, self.dp_group, async_op=async_op,
-                                            overwrite_input=True)
-            if self.stage == 1:
-                finish = lambda c0=c0, c1=c1, out=out: self.grad_buffer[c0:c1].copy_(out)
-            else:
-                finish = self._accumulate_owned(bucket, out)
-        if work is not None and async_op:
-            self._pending.append((work, finish))
-        elif finish is not None:
-            finish()
-        self._on_bucket_reduced(bucket)
-
-    def _on_bucket_reduced(self, bucket) -> None:
-        """Called once a bucket's gradients have left (stage 3 releases its parameters)."""
-
-    def _accumulate_owned(self, bucket, reduced):
-        """Stage 2: add the bucket's reduced chunk into the owned gradient partition."""
-        o0, o1 = self.part_offsets[bucket.index]
-        return lambda: self.grad_partition[o0:o1].add_(reduced)
-
-    def _wait_pending(self):
-        for work, finish in self._pending:
-            work.wait()
-            if finish is not None:
-                finish()
-        self._pending = []
+            self.reducer.in_no_sync = False
 
     def finish_grad_sync(self) -> None:
         """Complete the data-parallel reduction, then the tp and embedding-group syncs."""
-        if self.stage < 2:
-            for bucket in self.layout.buckets:
-                if self._ready[bucket.index] >= 0:  # not reduced by a hook yet
-                    self._reduce_bucket(bucket, async_op=False)
-        self._wait_pending()
-        self._ready = [0] * len(self.layout.buckets)
-        self._sync_sequence_parallel_and_tied()
-
-    def _sync_sequence_parallel_and_tied(self):
-        ps = self.ps
-        if ps.tp_size > 1:
-            grads = [self._owned_grad(s) for s in self.layout.segments
-                     if meta_of(s.param).sequence_parallel]
-            all_reduce_list(grads, ps.tp_group)
-        if ps.pp_size > 1:
-            grads = [self._owned_grad(s) for s in self.layout.segments
-                     if tied_across_stages(s.param, ps)]
-            if grads:
-                all_reduce_list(grads, ps.embedding_group)
+        if not self.grads.reduces_every_microbatch:
+            self.reducer.reduce_remaining()
+        self.reducer.wait()
+        self.reducer.reset()
+        finalize_model_grads(self.layout.segments, self.grads.owned, self.ps)
 
     # ---- the step --------------------------------------------------------------------------
     @property
@@ -293,17 +195,8 @@ class ZeroOptimizer(ZeroCheckpointState):
 
     def grad_norm_sq(self) -> float:
         """Sum of squares of the reduced (still scaled) gradients, over the whole model."""
-        grads = [g for s in self.layout.segments
-                 if counted_in_norm(s.param, self.ps) and (g := self._owned_grad(s)).numel() > 0]
-        local = torch.zeros(1, dtype=torch.float64)
-        if grads:
-            norms = torch._foreach_norm([g.float() for g in grads]) if self.low_precision \
-                else torch._foreach_norm(grads)
-            local += torch.stack(norms).double().pow(2).sum()
-        comm.all_reduce(local, self.ps.mp_group)
-        if self.shard:
-            comm.all_reduce(local, self.dp_group)
-        return float(local.item())
+        return grad_norm_sq(self.layout.segments, self.grads.owned, self.ps,
+                            sharded=self.shard, low_precision=self.low_precision)
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int]:
@@ -322,13 +215,10 @@ class ZeroOptimizer(ZeroCheckpointState):
             coeff = c if c < 1.0 else 1.0
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler is not None else self.config.lr
         self.step_count += 1
-        kwargs = {}
-        if isinstance(self.rule, LambRule):
-            kwargs = self._lamb_kwargs()
         if self.offload:
             self._grads_to_host()
         self.rule.apply(self._views, step=self.step_count, lr=lr, grad_scale=coeff / divisor,
-                        **kwargs)
+                        params=self.param_table)
         if self.offload:
             self._params_from_host()
         if self.shard:
@@ -338,36 +228,22 @@ class ZeroOptimizer(ZeroCheckpointState):
     def _grads_to_host(self):
         """--cpu-offload: this rank's reduced gradients (model dtype) -> fp32 host buffer."""
         for bucket, (o0, o1) in zip(self.layout.buckets, self.part_offsets):
-            if self.stage >= 2:
-                src = self.grad_partition[o0:o1]
-            else:
-                c0, c1 = self.layout.owned_chunk(bucket)
-                src = self.grad_buffer[c0:c1]
-            self.grad_host[o0:o1].copy_(src, non_blocking=True)
+            self.grad_host[o0:o1].copy_(self.grads.owned_chunk(bucket), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def _params_from_host(self):
         """--cpu-offload: updated fp32 main values -> the model's parameters (its dtype)."""
         for bucket, main in zip(self.layout.buckets, self.main_chunks):
-            self._owned_model_chunk(bucket).copy_(main, non_blocking=True)
+            self.params.owned_chunk(bucket).copy_(main, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _lamb_kwargs(self):
-        flags = torch.zeros(len(self.param_keys), dtype=torch.bool)
-        for name, key in self.param_keys.items():
-            flags[key] = meta_of(self.layout.ranges[name].param).tensor_parallel
-        return {"num_params": len(self.param_keys), "tp_sharded": flags}
-
-    def _full_model_bucket(self, bucket) -> torch.Tensor:
-        return self.param_buffer[bucket.start:bucket.end]
-
     def _all_gather_params(self):
         works = []
-        for bucket in self._replicated_buckets():
-            full = self._full_model_bucket(bucket)
-            src = self._owned_model_chunk(bucket)  # updated in place by the rule
+        for bucket in self.params.replicated_buckets():
+            full = self.params.full_bucket(bucket)
+            src = self.params.owned_chunk(bucket)  # updated in place by the rule
             works.append(comm.all_gather_into(full, src, self.dp_group,
                                               async_op=self.overlap))
         for w in works:
@@ -380,11 +256,56 @@ class ZeroOptimizer(ZeroCheckpointState):
         main = sum(nbytes(m) for m in self.main_chunks) \
             if self.low_precision or self.offload else 0
         states = sum(nbytes(t) for t in self.state.values())
-        report = {"params": nbytes(self.param_buffer),
-                  "grads": nbytes(self.grad_buffer) + nbytes(self.grad_partition),
+        report = {"params": self.params.nbytes, "grads": self.grads.nbytes,
                   "main_params": 0 if self.offload else main,
                   "optimizer_states": 0 if self.offload else states}
         if self.offload:  # host memory, off the accelerator
             report.update(host_main_params=main, host_optimizer_states=states,
                           host_grads=nbytes(self.grad_host))
         return report
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's optimizer state as per-parameter fragments (``[param_start,
+        param_end)`` of each parameter's flat elements: fp32 main values and states), so a
+        checkpoint can be read back at another dp size or stage as well as its own."""
+        fragments = {}
+        for seg, view in zip(self.layout.segments, self._views):
+            entry = {"param_start": seg.param_start, "param_end": seg.param_end,
+                     "main": view.main.clone()}
+            for k in self.rule.state_names:
+                entry[k] = view.state[k].clone()
+            fragments.setdefault(seg.name, []).append(entry)
+        return {"zero_stage": self.stage, "step": self.step_count,
+                "scaler": self.scaler.state_dict(), "fragments": fragments,
+                "state_names": list(self.rule.state_names)}
+
+    def load_sharded_state_dict(self, state: dict, fragment_reader=None) -> None:
+        """Load fragments saved by ``sharded_state_dict``, or read each segment's values
+        through ``fragment_reader(name, start, end)`` (a checkpoint at any layout)."""
+        self.step_count = int(state["step"])
+        self.scaler.load_state_dict(state["scaler"])
+        frags = state.get("fragments", {})
+        for seg, view in zip(self.layout.segments, self._views):
+            if fragment_reader is not None:
+                values = fragment_reader(seg.name, seg.param_start, seg.param_end)
+            else:
+                values = find_fragment(frags, seg)
+            view.main.copy_(values["main"])
+            for k in self.rule.state_names:
+                view.state[k].copy_(values[k])
+            if view.model_out is not None:
+                view.model_out.copy_(view.main)
+        if self.offload:
+            self._params_from_host()
+        if self.shard:
+            self._all_gather_params()
+
+    def reload_model_params(self) -> None:
+        """Refresh fp32 main values from the (just loaded) model parameters."""
+        if self.offload:
+            for bucket, main in zip(self.layout.buckets, self.main_chunks):
+                main.copy_(self.params.owned_chunk(bucket))
+            return
+        for view in self._views:
+            if view.model_out is not None:
+                view.main.copy_(view.model_out)

@@ -1,22 +1,22 @@
 """ZeRO stage 3: parameters partitioned over the data-parallel group, gathered per unit.
 
 Parallelises parameters, gradients and optimizer states over ``ps.dp_group``. The model is cut
-into units (a transformer layer, the embedding, the final LayerNorm; any module with direct
-parameters for other models). Each unit is one or more buckets of the flat layout; dp rank r
-stores only chunk r of each (model dtype), plus its fp32 main copy and optimizer states.
+into units by a unit policy passed in (``zero3_units``); each unit is one or more buckets of
+the flat layout, and dp rank r stores only chunk r of each (model dtype, ``PartitionedParams``)
+plus its fp32 main copy and optimizer states. It is ``ZeroOptimizer`` with three parts
+swapped: this layout, this parameter storage, and the unit gatherer's callbacks on the bucket
+reducer; gradients use the owned-partition storage of stage 2.
 
-* Forward: a unit is all-gathered just before a module that uses it runs (forward pre-hook),
-  the next unit is prefetched asynchronously, and the full parameters are released after the
-  module ran (forward hook).
-* Backward: gathered again before the module's backward (backward pre-hook; the previous unit is
-  prefetched), gradients are reduce-scattered as in stage 2 and the unit released as soon as
-  all its gradients have left.
+* Forward: a unit is all-gathered just before a module that uses it runs, the next unit is
+  prefetched asynchronously, and the full parameters are released after the module ran.
+* Backward: gathered again before the module's backward (the previous unit is prefetched),
+  gradients are reduce-scattered as in stage 2 and the unit released as soon as all its
+  gradients have left.
 * Parameters at or below ``--zero-param-persistence-threshold`` elements stay whole on every
   rank (one replicated bucket, stage-2 semantics: reduce-scatter, update, all-gather).
-* Every collective is preceded by a tiny all-gather of (kind, unit, sequence number): ranks
-  that diverge (a rank skipping a unit, or running another one) fail at once with an error
-  naming what each rank was doing, instead of hanging (``MEGAZERO_ZERO3_CHECK_ORDER=0`` skips
-  it).
+* Every collective is preceded by a tiny all-gather of (kind, bucket, sequence number): ranks
+  that diverge fail at once with an error naming what each rank was doing, instead of hanging
+  (``--no-zero3-order-check`` skips it).
 
 A model built on the ``meta`` device is materialised here directly in partitions: each owned
 piece is drawn from the layout-invariant initialiser (seed, parameter name, element index), so
@@ -27,34 +27,30 @@ code (like DeepSpeed's), optionally broadcasting changes made on one rank.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch import nn
 
-from megazero.data_parallel.layout import FlatLayout, param_numel
-from megazero.data_parallel.params import collect_named_params, find_fragment, tied_across_stages
+from megazero.data_parallel.layout import FlatLayout
+from megazero.data_parallel.params import (
+    collect_named_params,
+    find_fragment,
+    model_dtype,
+    tied_across_stages,
+)
 from megazero.data_parallel.zero import ZeroOptimizer
-from megazero.data_parallel.zero3_gather import Unit, Zero3Gathering, ZeroOrderError
+from megazero.data_parallel.zero3_units import (
+    Unit,
+    UnitGatherer,
+    UnitPolicy,
+    ZeroOrderError,
+    plan_units,
+)
 from megazero.distributed import comm
 from megazero.tensor_parallel.initializers import fill_flat_partition, init_key
 from megazero.tensor_parallel.meta import copy_meta, ensure_meta, meta_of, update_meta
 
 __all__ = ["GatheredParameters", "Zero3Optimizer", "ZeroOrderError"]
-
-def _units_of(model_chunks) -> list[tuple[str, list[nn.Module], nn.Module, int]]:
-    """(name, user modules, owning module, chunk) of every unit, in forward order."""
-    out = []
-    for ci, chunk in enumerate(model_chunks):
-        prefix = f"chunk{ci}." if len(model_chunks) > 1 else ""
-        if hasattr(chunk, "zero3_units"):
-            for path, users in chunk.zero3_units():
-                out.append((prefix + path, users, chunk.get_submodule(path), ci))
-        else:
-            for path, mod in chunk.named_modules():
-                if any(True for _ in mod.parameters(recurse=False)):
-                    out.append((prefix + path, [mod], mod, ci))
-    return out
 
 
 def _replace_meta_params(model_chunks, device) -> set[int]:
@@ -75,167 +71,139 @@ def _replace_meta_params(model_chunks, device) -> set[int]:
     return replaced
 
 
-class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
-    """ZeRO-3 over ``model_chunks`` on ``ps.dp_group`` (see the module docstring)."""
+def unit_layout(named, units: list[Unit], persistent: list[str], ps) -> FlatLayout:
+    """One bucket per unit (its tied-embedding parameters each in a bucket of their own, so
+    both stages holding them lay them out alike), then one replicated bucket of the
+    persistent parameters; fills each unit's ``buckets``."""
+    params = dict(named)
+    buckets = []
+    for unit in units:
+        tied = [n for n in unit.param_names if tied_across_stages(params[n], ps)]
+        groups = [[n] for n in tied] + [[n for n in unit.param_names if n not in tied]]
+        for g in groups:
+            if g:
+                unit.buckets.append(len(buckets))
+                buckets.append(g)
+    if persistent:
+        buckets.append(list(persistent))
+    return FlatLayout(named, ps.dp_size, ps.dp_rank, buckets=buckets, shard=ps.dp_size > 1)
 
-    supported_stages = (3,)
 
-    def __init__(self, model_chunks, opt_config, ps, *, lr_scheduler=None, seed: int = 0):
-        self.seed = seed
-        self.model_chunks = model_chunks
-        self.prefetch = opt_config.zero_prefetch
-        self.threshold = opt_config.zero_param_persistence_threshold
-        self.check_order = os.environ.get("MEGAZERO_ZERO3_CHECK_ORDER", "1") != "0"
-        self._seq = 0
-        self._inflight: dict[int, tuple] = {}
-        self._storages: dict[int, tuple] = {}  # data_ptr of gathered buffers -> (unit, bucket)
-        self._buffers: list = []  # weak references to every gathered buffer (diagnostics)
-        self._hook_stack: list = []
-        self.live_bytes = self.peak_live_bytes = 0
-        device = ps.device
-        self._on_meta = _replace_meta_params(model_chunks, device)
+class PartitionedParams:
+    """This rank's chunk of every unit bucket (one flat ``partition``) and the persistent
+    bucket whole (``persist_buffer``); unit parameters hold no storage until gathered."""
+
+    def __init__(self, layout: FlatLayout, persistent_bucket: int | None, dtype, device, *,
+                 fill):
+        self.layout, self.persistent_bucket = layout, persistent_bucket
+        self.offsets = layout.bucket_owned_offsets()
+        self.partition = torch.zeros(layout.partition_numel, dtype=dtype, device=device)
+        pb = persistent_bucket
+        self.persist_buffer = None
+        if pb is not None:
+            b = layout.buckets[pb]
+            self.persist_buffer = torch.zeros(b.numel, dtype=dtype, device=device)
+        for seg in layout.segments:
+            if seg.bucket != pb:
+                fill(seg.name, seg.param, self.partition[seg.offset:seg.offset + seg.numel],
+                     seg.param_start)
+        if pb is not None:
+            bucket = layout.buckets[pb]
+            for pr in bucket.params:
+                view = self.persist_buffer[pr.start - bucket.start:pr.end - bucket.start]
+                fill(pr.name, pr.param, view, 0)
+                pr.param.data = view.view(meta_of(pr.param).local_shape)
+        if layout.dp_size > 1:
+            empty = torch.empty(0, dtype=dtype, device=device)
+            for bucket in layout.buckets:
+                if bucket.index != pb:
+                    for pr in bucket.params:
+                        pr.param.data = empty
+
+    def owned_chunk(self, bucket) -> torch.Tensor:
+        if bucket.index == self.persistent_bucket:
+            c0, c1 = self.layout.owned_chunk(bucket)
+            return self.persist_buffer[c0 - bucket.start:c1 - bucket.start]
+        o0, o1 = self.offsets[bucket.index]
+        return self.partition[o0:o1]
+
+    def replicated_buckets(self):
+        pb = self.persistent_bucket
+        return [self.layout.buckets[pb]] if pb is not None else []
+
+    def full_bucket(self, bucket) -> torch.Tensor:
+        return self.persist_buffer
+
+    @property
+    def nbytes(self) -> int:
+        nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        return nbytes(self.partition) + nbytes(self.persist_buffer)
+
+
+class Zero3Optimizer(ZeroOptimizer):
+    """ZeRO-3 over ``model_chunks`` on ``ps.dp_group`` (see the module docstring).
+
+    ``unit_policy(chunk)`` gives the units (default: every module with direct parameters);
+    ``seed`` initialises parameters built on the meta device, keyed by their names.
+    """
+
+    def __init__(self, model_chunks, opt_config, ps, *, lr_scheduler=None, seed: int = 0,
+                 unit_policy: UnitPolicy | None = None):
+        on_meta = _replace_meta_params(model_chunks, ps.device)
         named = collect_named_params(model_chunks)
         for _, p in named:
             ensure_meta(p)  # records the local shape before the storage is partitioned away
-        self._plan_units(named)
+        dtype = model_dtype(named)
+        units, persistent = plan_units(model_chunks, named, unit_policy,
+                                       opt_config.zero_param_persistence_threshold)
+        layout = unit_layout(named, units, persistent, ps)
+        unit_of_bucket = {b: u for u in units for b in u.buckets}
+        pb = len(layout.buckets) - 1 if persistent else None
+
+        def fill(name, param, dst, start):
+            """Owned values of ``param`` from its data, or from the initialiser if on meta."""
+            if id(param) in on_meta:
+                meta = meta_of(param)
+                if meta.init is None:
+                    raise ValueError(f"ZeRO-3: parameter {name} was built on the meta device "
+                                     "without megazero init metadata; build it materialised")
+                fill_flat_partition(dst, meta.init, meta.shard, init_key(seed, name),
+                                    meta.local_shape, start)
+            else:
+                dst.copy_(param.data.reshape(-1)[start:start + dst.numel()])
+
+        storage = PartitionedParams(layout, pb, dtype, ps.device, fill=fill)
+        gatherer = UnitGatherer(layout, units, storage.owned_chunk, ps.dp_group, dtype=dtype,
+                                device=ps.device, prefetch=opt_config.zero_prefetch,
+                                check_order=opt_config.zero3_order_check)
+        if ps.dp_size == 1:  # nothing to gather: parameters are views of the partition
+            for unit in units:
+                gatherer.materialize(unit, [storage.owned_chunk(layout.buckets[b])
+                                            for b in unit.buckets])
+        hooks = dict(before_reduce=gatherer.before_reduce,
+                     after_reduce=lambda b: gatherer.after_reduce(b, unit_of_bucket),
+                     end_of_backward=gatherer.end_of_backward)
         super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
-                         named_params=named)
-        self._install_module_hooks()
-
-    # ---- layout --------------------------------------------------------------------------
-    def _plan_units(self, named):
-        by_id = {id(p): n for n, p in named}
-        self.units, self.persistent = [], []
-        owner = {}
-        for ui, (uname, users, module, ci) in enumerate(_units_of(self.model_chunks)):
-            unit = Unit(ui, uname, users, ci)
-            for p in module.parameters():
-                name = by_id.get(id(p))
-                if name is None or name in owner:
-                    continue
-                if param_numel(p) <= self.threshold:
-                    self.persistent.append(name)
-                else:
-                    unit.param_names.append(name)
-                owner[name] = unit
-            self.units.append(unit)
-        rest = [n for n, _ in named if n not in owner]  # params outside every unit
-        self.persistent += rest
-        self._unit_of_param = {n: u for n, u in owner.items() if n not in self.persistent}
-
-    def _make_layout(self, named) -> FlatLayout:
-        params = dict(named)
-        buckets = []
-        self._unit_of_bucket = {}
-        for unit in self.units:
-            tied = [n for n in unit.param_names if tied_across_stages(params[n], self.ps)]
-            groups = [[n] for n in tied] + [[n for n in unit.param_names if n not in tied]]
-            for g in groups:
-                if g:
-                    unit.buckets.append(len(buckets))
-                    self._unit_of_bucket[len(buckets)] = unit
-                    buckets.append(g)
-        self._persistent_bucket = None
-        if self.persistent:
-            self._persistent_bucket = len(buckets)
-            buckets.append(list(self.persistent))
-        return FlatLayout(named, self.dp_size, self.dp_rank, buckets=buckets,
-                          shard=self.dp_size > 1)
-
-    def _target_device(self, named):
-        return self.ps.device
-
-    def _build_param_storage(self, named):
-        lay = self.layout
-        self.param_buffer = None  # no full buffer: see partition and persist_buffer
-        self.part_offsets = lay.bucket_owned_offsets()
-        self.partition = torch.zeros(lay.partition_numel, dtype=self.dtype, device=self.device)
-        pb = self._persistent_bucket
-        self.persist_buffer = None
-        if pb is not None:
-            b = lay.buckets[pb]
-            self.persist_buffer = torch.zeros(b.numel, dtype=self.dtype, device=self.device)
-        for seg in lay.segments:
-            if seg.bucket == pb:
-                continue
-            dst = self.partition[seg.offset:seg.offset + seg.numel]
-            self._fill_owned(seg.name, seg.param, dst, seg.param_start)
-        if pb is not None:
-            bucket = lay.buckets[pb]
-            for pr in bucket.params:
-                view = self.persist_buffer[pr.start - bucket.start:pr.end - bucket.start]
-                self._fill_owned(pr.name, pr.param, view, 0)
-                self._set_data(pr.param, view.view(meta_of(pr.param).local_shape))
-        for unit in self.units:
-            for name in unit.param_names:
-                p = lay.ranges[name].param
-                if self.dp_size > 1:
-                    self._set_data(p, torch.empty(0, dtype=self.dtype, device=self.device))
-        if self.dp_size == 1:  # nothing to gather: parameters are views of the partition
-            for unit in self.units:
-                self._materialize_unit(unit, [self._owned_model_chunk(lay.buckets[b])
-                                              for b in unit.buckets])
-        self._param_name = {id(pr.param): n for n, pr in lay.ranges.items()}
-        for pr in lay.ranges.values():
+                         named_params=named, layout=layout, params=storage, device=ps.device,
+                         reducer_hooks=hooks)
+        self.units, self.gatherer = units, gatherer
+        self._param_name = {id(pr.param): n for n, pr in layout.ranges.items()}
+        for pr in layout.ranges.values():
             update_meta(pr.param, partitioned_by=self)
+        self.gatherer.install(model_chunks)
 
-    def _fill_owned(self, name, param, dst, start):
-        """Owned values of ``param`` from its data, or from the initialiser if on meta."""
-        if id(param) in self._on_meta:
-            meta = meta_of(param)
-            if meta.init is None:
-                raise ValueError(f"ZeRO-3: parameter {name} was built on the meta device "
-                                 "without megazero init metadata; build it materialised")
-            key = init_key(self.seed, name)
-            fill_flat_partition(dst, meta.init, meta.shard, key, meta.local_shape, start)
-        else:
-            dst.copy_(param.data.reshape(-1)[start:start + dst.numel()])
+    @property
+    def live_bytes(self) -> int:
+        return self.gatherer.live_bytes
 
-    @staticmethod
-    def _set_data(param, tensor):
-        param.data = tensor
-
-    def _owned_model_chunk(self, bucket) -> torch.Tensor:
-        if bucket.index == self._persistent_bucket:
-            c0, c1 = self.layout.owned_chunk(bucket)
-            return self.persist_buffer[c0 - bucket.start:c1 - bucket.start]
-        o0, o1 = self.part_offsets[bucket.index]
-        return self.partition[o0:o1]
-
-    def _replicated_buckets(self):
-        pb = self._persistent_bucket
-        return [self.layout.buckets[pb]] if pb is not None else []
-
-    def _full_model_bucket(self, bucket) -> torch.Tensor:
-        return self.persist_buffer
-
-    def _on_bucket_reduced(self, bucket) -> None:
-        unit = self._unit_of_bucket.get(bucket.index)
-        if unit is None:
-            return
-        unit.reduced.add(bucket.index)
-        if len(unit.reduced) == len(unit.buckets):
-            unit.reduced.clear()
-            self._release(unit)
-
-    def _reduce_bucket(self, bucket, async_op: bool):
-        self._check("reduce", bucket.index)
-        super()._reduce_bucket(bucket, async_op)
-
-    def _end_of_backward(self):
-        super()._end_of_backward()
-        self._drain_prefetch()
-        for unit in self.units:
-            unit.reduced.clear()
-            unit.forward_uses = 0
-            self._release(unit)
+    def held_bytes(self) -> int:
+        return self.gatherer.held_bytes()
 
     @torch.no_grad()
     def step(self):
         result = super().step()
-        self._drain_prefetch()
-        for unit in self.units:  # gathered copies are stale after an update
-            self._release(unit)
+        self.gatherer.drain_prefetch()
+        self.gatherer.release_all()  # gathered copies are stale after an update
         return result
 
     # ---- user access ---------------------------------------------------------------------
@@ -250,7 +218,7 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
         units = [u for u in self.units if u.buckets and
                  (wanted is None or wanted & set(u.param_names))]
         for u in units:
-            self._fetch(u, +1)
+            self.gatherer.fetch(u, +1)
             u.pins += 1
         try:
             yield
@@ -259,7 +227,7 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
                 self._broadcast_back(units, modifier_rank)
             for u in units:
                 u.pins -= 1
-                self._release(u)
+                self.gatherer.release(u)
 
     def _broadcast_back(self, units, modifier_rank):
         src = self.ps.dp_ranks[modifier_rank]
@@ -268,31 +236,24 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
                 bucket = self.layout.buckets[b]
                 full = torch.cat([self.layout.ranges[pr.name].param.data.reshape(-1)
                                   for pr in bucket.params])
-                self._check("broadcast", b)
+                self.gatherer.check("broadcast", b)
                 comm.broadcast(full, src, self.dp_group)
-                owned = self._owned_model_chunk(bucket)
+                owned = self.params.owned_chunk(bucket)
                 c0, c1 = self.layout.owned_chunk(bucket)
                 real = min(c1, bucket.start + full.numel()) - c0
                 if real > 0:
                     owned[:real].copy_(full[c0 - bucket.start:c0 - bucket.start + real])
         self.reload_model_params()
 
-    def held_bytes(self) -> int:
-        """Bytes of gathered buffers still alive, referenced by anyone (the optimizer, or a
-        saved tensor that escaped the pack hook): measured, unlike ``live_bytes``."""
-        self._buffers = [r for r in self._buffers if r() is not None]
-        return sum(r().numel() * r().element_size() for r in self._buffers)
-
+    # ---- reports and checkpoints ---------------------------------------------------------
     def memory_report(self) -> dict:
         report = super().memory_report()
-        nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        report["params"] = nbytes(self.partition) + nbytes(self.persist_buffer)
-        report["gathered_peak"] = self.peak_live_bytes
+        report["gathered_peak"] = self.gatherer.peak_live_bytes
         return report
 
     def _owned_model_values(self, seg) -> torch.Tensor:
         bucket = self.layout.buckets[seg.bucket]
-        return self._owned_model_chunk(bucket)[seg.chunk_offset:seg.chunk_offset + seg.numel]
+        return self.params.owned_chunk(bucket)[seg.chunk_offset:seg.chunk_offset + seg.numel]
 
     def sharded_state_dict(self, include_optimizer: bool = True) -> dict:
         """This rank's parameters (model dtype) and, optionally, optimizer fragments."""
@@ -321,8 +282,7 @@ class Zero3Optimizer(Zero3Gathering, ZeroOptimizer):
             self.reload_model_params()
             if self.shard:
                 self._all_gather_params()
-        for unit in self.units:
-            self._release(unit)
+        self.gatherer.release_all()
 
 
 class GatheredParameters(contextlib.AbstractContextManager):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megazero.config import ModelConfig
 from megazero.distributed.parallel_state import ParallelState
-from megazero.model.gpt2 import GPTModel, stage_layer_numbers
+from megazero.model.gpt2 import GPTModel, gpt_zero3_units, stage_layer_numbers
 from megazero.model.kv_cache import KVCache
 
 
@@ -30,4 +30,5 @@ def build_gpt_model_chunks(config: ModelConfig, ps: ParallelState, *, tracker=No
     return chunks
 
 
-__all__ = ["GPTModel", "KVCache", "build_gpt_model_chunks", "stage_layer_numbers"]
+__all__ = ["GPTModel", "KVCache", "build_gpt_model_chunks", "gpt_zero3_units",
+           "stage_layer_numbers"]

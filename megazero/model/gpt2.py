@@ -76,7 +76,7 @@ class TiedOutputLayer(nn.Module):
     """Logits ``[s, b, Vp/tp]`` from hidden ``[s, b, h]`` with the word embedding's weight.
 
     Holds no parameter of its own (the weight is passed in), so ZeRO-3 knows to gather the
-    embedding before it runs (see ``GPTModel.zero3_units``).
+    embedding before it runs (see ``gpt_zero3_units``).
     """
 
     def forward(self, x, weight):
@@ -132,19 +132,6 @@ class GPTModel(nn.Module):
     @property
     def word_embedding_weight(self):
         return self.embedding.word_embeddings.weight if self.embedding is not None else None
-
-    def zero3_units(self) -> list[tuple[str, list[nn.Module]]]:
-        """Units ZeRO-3 gathers as one: (module path, modules that need its parameters)."""
-        units = []
-        if self.embedding is not None:
-            # modules that run and need the word embedding on this stage
-            users = ([self.embedding] if self.pre_process else []) \
-                + ([self.output_layer] if self.post_process else [])
-            units.append(("embedding", users))
-        units += [(f"layers.{i}", [layer]) for i, layer in self.layers.items()]
-        if self.final_layernorm is not None:
-            units.append(("final_layernorm", [self.final_layernorm]))
-        return units
 
     # ---- forward -------------------------------------------------------------------------
     def _run_layers(self, x, attention_mask, kv_cache=None):
@@ -209,6 +196,24 @@ class GPTModel(nn.Module):
                                             vocab_size=self.config.vocab_size,
                                             inplace=logits._base is None)  # [s, b]
         return loss.transpose(0, 1).contiguous()  # [b, s]
+
+
+def gpt_zero3_units(chunk: GPTModel) -> list[tuple[str, list[nn.Module]]]:
+    """ZeRO-3's unit policy for a GPT chunk: (module path, modules that need its parameters).
+
+    The embedding is one unit, used by the embedding and, on the last stage, by the tied
+    output layer (which holds no parameter of its own); each layer and the final LayerNorm is
+    one. Passed to the optimizer by the caller (``pretrain(..., zero3_unit_policy=...)``).
+    """
+    units = []
+    if chunk.embedding is not None:
+        users = ([chunk.embedding] if chunk.pre_process else []) \
+            + ([chunk.output_layer] if chunk.post_process else [])
+        units.append(("embedding", users))
+    units += [(f"layers.{i}", [layer]) for i, layer in chunk.layers.items()]
+    if chunk.final_layernorm is not None:
+        units.append(("final_layernorm", [chunk.final_layernorm]))
+    return units
 
 
 def stage_layer_numbers(num_layers: int, pp_size: int, pp_rank: int,

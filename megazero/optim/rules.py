@@ -3,9 +3,13 @@
 A segment is a contiguous piece of one parameter in this rank's partition, with its fp32 main
 values, its (model-dtype) gradient, and its slice of the optimizer states. ``grad_scale``
 multiplies the gradient first (un-scaling of the loss scale, data-parallel averaging and the
-clip coefficient in one factor), so the step reads each array once. When megazero's compiled
-fused step is built it does the whole Adam update of a segment in one pass and writes the
-model-dtype copy; otherwise the PyTorch reference below runs (same arithmetic).
+clip coefficient in one factor), so the step reads each array once.
+
+Every rule has one interface: ``state_names`` (the fp32 states it keeps per element) and
+``apply(segments, *, step, lr, grad_scale, params)``, where ``params`` (a ``ParamTable``) gives
+the per-parameter facts a rule may need beyond its segments. The arithmetic of Adam and LAMB
+is megazero's compiled kernels' (``megazero.ops``), whose PyTorch reference runs when they are
+not built or when ``use_fused`` is off: one reference per op, in ``ops``.
 
 LAMB's trust ratio uses the norms of the *whole* parameter (all tp shards and dp fragments),
 reduced over the groups passed in, so LAMB too gives the same result at any layout.
@@ -13,12 +17,13 @@ reduced over the groups passed in, so LAMB too gives the same result at any layo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from megazero.distributed import comm
+from megazero.ops.cpu_lamb import lamb_stage1_, lamb_stage2_, lamb_trust_ratios
+from megazero.ops.fused_step import fused_adam_step, fused_adam_step_reference
 
 
 @dataclass
@@ -30,55 +35,37 @@ class SegmentView:
     model_out: torch.Tensor | None  # [n] model dtype view of the parameter, or None
     weight_decay: float
     state: dict  # name -> [n] fp32 views
-    param_key: int = 0  # index of the parameter (for LAMB's per-parameter norms)
+    param_key: int = 0  # index of the parameter in the ParamTable
 
 
-def _fused_step():
-    try:
-        from megazero.ops import fused_step  # compiled one-pass Adam (issue 7)
-    except ImportError:
-        return None
-    return fused_step if hasattr(fused_step, "fused_adam_step") else None
+@dataclass(frozen=True)
+class ParamTable:
+    """Per-parameter facts beyond the segments: how many parameters the optimizer holds (the
+    same on every dp rank, whatever each owns) and which are split over tp ([count] bool)."""
+
+    count: int
+    tp_sharded: torch.Tensor
 
 
 class AdamRule:
-    """Adam (L2) or AdamW (decoupled weight decay), as torch.optim.Adam/AdamW compute them."""
+    """Adam (L2) or AdamW (decoupled weight decay), bias-corrected, one pass per segment
+    (``megazero.ops.fused_step``; its reference with ``use_fused=False``)."""
 
     state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, beta1=0.9, beta2=0.999, eps=1e-8, adam_w_mode=True, use_fused=True):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.adam_w_mode = adam_w_mode
-        self.fused = _fused_step() if use_fused else None
+        self.step_fn = fused_adam_step if use_fused else fused_adam_step_reference
 
-    def apply(self, segments: list[SegmentView], *, step: int, lr: float,
-              grad_scale: float) -> None:
+    def apply(self, segments: list[SegmentView], *, step: int, lr: float, grad_scale: float,
+              params: ParamTable | None = None) -> None:
         for s in segments:
-            if self.fused is not None:
-                self.fused.fused_adam_step(
-                    s.main, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"], step=step,
-                    lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                    weight_decay=s.weight_decay, adam_w_mode=self.adam_w_mode,
-                    bias_correction=True, grad_scale=grad_scale, model_param_out=s.model_out)
-            else:
-                self._reference(s, step, lr, grad_scale)
-
-    def _reference(self, s: SegmentView, step, lr, grad_scale):
-        p, m, v = s.main, s.state["exp_avg"], s.state["exp_avg_sq"]
-        g = s.grad.float() * grad_scale
-        wd = s.weight_decay
-        if wd != 0 and not self.adam_w_mode:
-            g = g.add(p, alpha=wd)
-        m.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
-        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-        bc1 = 1 - self.beta1 ** step
-        bc2_sqrt = math.sqrt(1 - self.beta2 ** step)
-        denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-        if wd != 0 and self.adam_w_mode:
-            p.mul_(1 - lr * wd)
-        p.addcdiv_(m, denom, value=-lr / bc1)
-        if s.model_out is not None:
-            s.model_out.copy_(p)
+            self.step_fn(s.main, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"], step=step,
+                         lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                         weight_decay=s.weight_decay, adam_w_mode=self.adam_w_mode,
+                         bias_correction=True, grad_scale=grad_scale,
+                         model_param_out=s.model_out)
 
 
 class TorchAdamRule:
@@ -91,7 +78,7 @@ class TorchAdamRule:
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.adam_w_mode = adam_w_mode
 
-    def apply(self, segments, *, step, lr, grad_scale):
+    def apply(self, segments, *, step, lr, grad_scale, params=None):
         from torch.optim.adam import adam
 
         groups: dict[float, list] = {}
@@ -119,7 +106,7 @@ class SGDRule:
     def __init__(self, momentum=0.9):
         self.momentum = momentum
 
-    def apply(self, segments, *, step, lr, grad_scale):
+    def apply(self, segments, *, step, lr, grad_scale, params=None):
         for s in segments:
             g = s.grad.float() * grad_scale
             if s.weight_decay:
@@ -143,9 +130,10 @@ class LambRule:
         r = clamp(||w|| / ||u||, min_trust, max_trust)   (1 when either norm is zero)
         w = w - lr * r * u
 
-    ``||w||`` and ``||u||`` are norms of the whole parameter: partial sums over this rank's
-    segments are all-reduced over ``dp_group`` (ZeRO fragments) and, for tensor-parallel
-    parameters, ``tp_group``.
+    in two passes of megazero's LAMB kernels (``megazero.ops.cpu_lamb``: moments and the
+    partial sums of squares, then the update). ``||w||`` and ``||u||`` are norms of the whole
+    parameter: this rank's per-segment sums are added per parameter, all-reduced over
+    ``dp_group`` (ZeRO fragments) and, for tensor-parallel parameters, ``tp_group``.
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
@@ -156,39 +144,29 @@ class LambRule:
         self.min_trust, self.max_trust = min_trust, max_trust
         self.dp_group, self.tp_group = dp_group, tp_group
 
-    def apply(self, segments, *, step, lr, grad_scale, num_params=None, tp_sharded=None):
-        bc1 = 1 - self.beta1 ** step
-        bc2 = 1 - self.beta2 ** step
-        updates = []
-        n = num_params if num_params is not None else 1 + max((s.param_key for s in segments),
-                                                              default=-1)
-        w_sq = torch.zeros(n, dtype=torch.float64)
-        u_sq = torch.zeros(n, dtype=torch.float64)
-        for s in segments:
-            g = s.grad.float() * grad_scale
-            m, v = s.state["exp_avg"], s.state["exp_avg_sq"]
-            m.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
-            v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-            u = (m / bc1) / ((v / bc2).sqrt_().add_(self.eps))
-            if s.weight_decay:
-                u.add_(s.main, alpha=s.weight_decay)
-            updates.append(u)
-            w_sq[s.param_key] += s.main.double().pow(2).sum()
-            u_sq[s.param_key] += u.double().pow(2).sum()
-        sums = torch.stack([w_sq, u_sq])  # [2, n]
+    def apply(self, segments, *, step, lr, grad_scale, params: ParamTable):
+        mains = [s.main for s in segments]
+        ms = [s.state["exp_avg"] for s in segments]
+        vs = [s.state["exp_avg_sq"] for s in segments]
+        wds = [s.weight_decay for s in segments]
+        w_seg, u_seg, _ = lamb_stage1_(mains, [s.grad for s in segments], ms, vs, step=step,
+                                       beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                                       weight_decay=wds, grad_scale=grad_scale)
+        keys = torch.tensor([s.param_key for s in segments], dtype=torch.int64)
+        sums = torch.zeros(2, params.count, dtype=torch.float64)  # [||w||^2, ||u||^2]
+        sums[0].index_add_(0, keys, torch.tensor(w_seg, dtype=torch.float64))
+        sums[1].index_add_(0, keys, torch.tensor(u_seg, dtype=torch.float64))
         comm.all_reduce(sums, self.dp_group)
-        if tp_sharded is not None and comm.group_size(self.tp_group) > 1:
-            mask = tp_sharded.to(torch.float64)
+        if comm.group_size(self.tp_group) > 1:
+            mask = params.tp_sharded.to(torch.float64)
             tp_part = sums * mask
             comm.all_reduce(tp_part, self.tp_group)
             sums = tp_part + sums * (1 - mask)
-        w_norm, u_norm = sums[0].sqrt(), sums[1].sqrt()
-        trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm,
-                            torch.ones_like(w_norm)).clamp(self.min_trust, self.max_trust)
-        for s, u in zip(segments, updates):
-            s.main.add_(u, alpha=-lr * float(trust[s.param_key]))
-            if s.model_out is not None:
-                s.model_out.copy_(s.main)
+        trust = lamb_trust_ratios(sums[0], sums[1], self.min_trust, self.max_trust)
+        copies = [s.model_out for s in segments]
+        lamb_stage2_(mains, ms, vs, step=step, lr=lr, beta1=self.beta1, beta2=self.beta2,
+                     eps=self.eps, trust_ratios=trust[keys].tolist(), weight_decay=wds,
+                     copies=None if any(c is None for c in copies) else copies)
 
 
 def build_rule(opt_config, ps):
@@ -198,8 +176,7 @@ def build_rule(opt_config, ps):
                              opt_config.adam_w_mode)
     if opt_config.optimizer == "adam":
         return AdamRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
-                        opt_config.adam_w_mode,
-                        use_fused=opt_config.use_fused_step and not opt_config.cpu_torch_adam)
+                        opt_config.adam_w_mode, use_fused=opt_config.use_fused_step)
     if opt_config.optimizer == "lamb":
         return LambRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
                         dp_group=ps.dp_group if opt_config.zero_stage > 0 else None,

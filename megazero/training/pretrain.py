@@ -98,8 +98,10 @@ class PretrainResult:
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func,
-             config: MegazeroConfig, *, ps: ParallelState | None = None) -> PretrainResult:
-    """Run Megatron-style pretraining (see the module docstring)."""
+             config: MegazeroConfig, *, ps: ParallelState | None = None,
+             zero3_unit_policy=None) -> PretrainResult:
+    """Run Megatron-style pretraining (see the module docstring). ``zero3_unit_policy``:
+    which modules ZeRO-3 gathers together (``data_parallel.zero3_units``)."""
     start = time.time()
     ps = ps or init_distributed(config.parallel)
     setup_logging(ps)
@@ -115,7 +117,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     gbs = config.train.global_batch_size
     lr_scheduler = build_lr_scheduler(config.optimizer, gbs, iters * gbs)
     optimizer = build_optimizer(model, config.optimizer, ps, lr_scheduler=lr_scheduler,
-                                seed=config.train.seed)
+                                seed=config.train.seed, unit_policy=zero3_unit_policy)
     trainer = Trainer(config, ps, tracker, model, optimizer, lr_scheduler, forward_step_func)
     if config.train.load:
         loaded = load_checkpoint(config.train.load, model_chunks=model, optimizer=optimizer,

@@ -1,0 +1,59 @@
+"""Gradient finalisation after the data-parallel reduction (Megatron-core's
+``finalize_model_grads``), and the global gradient norm.
+
+After the dp reduction each rank holds its owned, dp-summed gradients. Two more reductions
+make them the gradients of the full model:
+
+* parameters replicated over tp but used on a tp rank's part of the sequence (sequence
+  parallelism: LayerNorms, the row-parallel biases, position embeddings) hold partial sums:
+  all-reduced over the tp group;
+* the word embedding tied across pipeline stages (first and last stage each hold a copy):
+  all-reduced over the embedding group; it sits alone in its bucket, so both stages own the
+  same slice of it.
+
+The global norm counts every gradient element once over the whole model (tp replicas and the
+last stage's copy of the tied embedding excluded), summed over the model-parallel group and,
+when the optimizer state is sharded, the dp group. Which parameter is what comes from its
+``ParamMeta`` (``params``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megazero.data_parallel.layout import Segment
+from megazero.data_parallel.params import all_reduce_list, counted_in_norm, tied_across_stages
+from megazero.distributed import comm
+from megazero.distributed.parallel_state import ParallelState
+from megazero.tensor_parallel.meta import meta_of
+
+
+def finalize_model_grads(segments: list[Segment], owned: Callable[[Segment], torch.Tensor],
+                         ps: ParallelState) -> None:
+    """All-reduce sequence-parallel gradients over tp and tied-embedding gradients over the
+    embedding group (``owned(seg)``: this rank's reduced gradient of a segment, in place)."""
+    if ps.tp_size > 1:
+        grads = [owned(s) for s in segments if meta_of(s.param).sequence_parallel]
+        all_reduce_list(grads, ps.tp_group)
+    if ps.pp_size > 1:
+        grads = [owned(s) for s in segments if tied_across_stages(s.param, ps)]
+        if grads:
+            all_reduce_list(grads, ps.embedding_group)
+
+
+def grad_norm_sq(segments: list[Segment], owned: Callable[[Segment], torch.Tensor],
+                 ps: ParallelState, *, sharded: bool, low_precision: bool) -> float:
+    """Sum of squares of the reduced (still scaled) gradients over the whole model."""
+    grads = [g for s in segments
+             if counted_in_norm(s.param, ps) and (g := owned(s)).numel() > 0]
+    local = torch.zeros(1, dtype=torch.float64)
+    if grads:
+        norms = torch._foreach_norm([g.float() for g in grads]) if low_precision \
+            else torch._foreach_norm(grads)
+        local += torch.stack(norms).double().pow(2).sum()
+    comm.all_reduce(local, ps.mp_group)
+    if sharded:
+        comm.all_reduce(local, ps.dp_group)
+    return float(local.item())
