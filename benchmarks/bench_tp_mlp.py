@@ -50,7 +50,6 @@ def dense(args):
 def _tp_worker(rank, world, port, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from megazero.distributed import comm
     from megazero.distributed.parallel_state import ParallelState
     from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -69,9 +68,9 @@ def _tp_worker(rank, world, port, args, out):
 
     dist.barrier()
     t = _time_steps(step, args.iters)
-    comm.STATS.reset()
+    ps.comm.stats.reset()
     step()
-    sent = comm.STATS.total_sent()
+    sent = ps.comm.stats.total_sent()
     times = [None] * world
     dist.all_gather_object(times, t)
     if rank == 0:

@@ -11,7 +11,8 @@ micro-batch per step, so stages 2 and 3 reduce once per step), and every rank re
   fp32 (no separate main copy; params 4 Psi, grads 4 Psi, Adam states 8 Psi): stage 0 16 Psi,
   1: 8 Psi + 8 Psi/N, 2: 4 Psi + 12 Psi/N, 3: 16 Psi/N.
   For stage 3 the peak of gathered (full, transient) parameters is shown apart.
-* communication: bytes this rank sends in one step, from ``comm.STATS`` (reset at the start
+* communication: bytes this rank sends in one step, from the ``ParallelState``'s
+  ``comm.stats`` (reset at the start
   of the measured step, the last one), against 2 Psi (stages 0-2: all-reduce, or
   reduce-scatter + all-gather) and 3 Psi (stage 3: all-gather forward, all-gather backward,
   reduce-scatter) elements in the model dtype, times the ring factor (N-1)/N:
@@ -83,6 +84,10 @@ def _model_argv(args, dp, stage, precision, model):
             f"--zero-stage {stage}")
     if precision == "bf16":
         argv += " --bf16"
+    if args.no_order_check:
+        argv += " --no-zero3-order-check"
+    if args.ring is not None:
+        argv += f" --ring-collectives {args.ring}"
     return argv.split()
 
 
@@ -125,7 +130,6 @@ def _worker(rank, world, port, argv, out, verbose, env):
         from megazero.arguments import parse_args
         from megazero.data_parallel.layout import param_numel
         from megazero.data_parallel.params import collect_named_params
-        from megazero.distributed import comm
         from megazero.training import pretrain
 
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
@@ -156,7 +160,7 @@ def _worker(rank, world, port, argv, out, verbose, env):
                 rss["run_peak_before"] = _status_kb("VmHWM") * 1024
                 rss["before_step"] = _status_kb("VmRSS") * 1024
                 rss["step_reset"] = _reset_peak_rss()
-            comm.STATS.reset()
+            model.ps.comm.stats.reset()
             wire[0] = 0
             output, loss_func = pretrain_gpt2.forward_step(data_iterator, model)
             if len(marks) < iters:
@@ -175,8 +179,9 @@ def _worker(rank, world, port, argv, out, verbose, env):
                            zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
         marks.append(time.perf_counter())
         hwm = _status_kb("VmHWM") * 1024
-        stats = comm.STATS.snapshot()
-        sent, wire_sent = comm.STATS.total_sent(), wire[0]
+        comm_stats = history.parallel_state.comm.stats
+        stats = comm_stats.snapshot()
+        sent, wire_sent = comm_stats.total_sent(), wire[0]
         optimizer, model = history.optimizer, history.model
         psi = sum(param_numel(p) for _, p in collect_named_params(model))
         steps = [b - a for a, b in zip(marks, marks[1:])]
@@ -190,7 +195,8 @@ def _worker(rank, world, port, argv, out, verbose, env):
                   "held_gathered": rss.get("held_gathered"),
                   "padded_numel": optimizer.layout.numel,
                   "step_s": statistics.median(steps[1:] or steps),
-                  "decisions": comm.ring_decisions(), "loss": history.history["lm loss"]}
+                  "decisions": history.parallel_state.comm.ring_decisions(),
+                  "loss": history.history["lm loss"]}
         out.put(("ok", result))
         dist.barrier()
         dist.destroy_process_group()
@@ -340,19 +346,16 @@ def main():
     parser.add_argument("--small-layers", type=int, default=4)
     parser.add_argument("--small-hidden", type=int, default=512)
     parser.add_argument("--no-order-check", action="store_true",
-                        help="MEGAZERO_ZERO3_CHECK_ORDER=0: no ZeRO-3 order-check messages")
+                        help="--no-zero3-order-check: no ZeRO-3 order-check messages")
     parser.add_argument("--ring", choices=["auto", "ring", "native"], default=None,
-                        help="MEGAZERO_RING for comm's choice (default: the environment's)")
+                        help="--ring-collectives for gloo's reduce-scatter/all-gather "
+                             "(default: auto)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--verbose", action="store_true", help="show pretrain's log lines")
     args = parser.parse_args()
     if args.iters < 2:
         parser.error("--iters must be at least 2 (the first step is warm-up)")
     env = {}
-    if args.no_order_check:
-        env["MEGAZERO_ZERO3_CHECK_ORDER"] = "0"
-    if args.ring is not None:
-        env["MEGAZERO_RING"] = args.ring
     t_start = time.perf_counter()
     configs = []
     if not args.no_bf16:
@@ -361,7 +364,7 @@ def main():
     rows, models = [], {}
     print(f"GPT-2 vocab {args.vocab}, seq {args.seq}, heads {args.heads}, micro-batch 1, "
           f"{args.iters} steps per run; torch {torch.__version__}, gloo, 1 thread per rank, "
-          f"env {env or '-'}")
+          f"ring {args.ring or 'auto'}")
     for dp, stage, precision in configs:
         small = args.small_model_dp is not None and dp >= args.small_model_dp
         model = (args.small_layers, args.small_hidden) if small else (args.layers, args.hidden)

@@ -1,12 +1,17 @@
 """The one argparse parser, with Megatron-LM's flag names, turned into a ``MegazeroConfig``.
 
-Flags are grouped by concern like Megatron's ``arguments.py``. ``parse_args`` returns the config
+Flags are grouped by concern like Megatron's ``arguments.py``. Each flag's destination is a
+field of one of the config dataclasses and its default is read from that field (``_Flags``),
+so a default is written once, in ``config.py``. ``parse_args`` returns the validated config
 tree; the world size comes from torchrun's ``WORLD_SIZE`` (1 when launched as one process).
+Flags that Megatron scripts pass and megazero does not need are accepted and say so in their
+help (the compatibility group).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from megazero.config import (
@@ -20,171 +25,172 @@ from megazero.config import (
 )
 
 
-def _bool_pair(group, name, default, help_on, dest=None):
-    """--name / --no-name pair, Megatron style."""
-    dest = dest or name.replace("-", "_")
-    group.add_argument(f"--{name}", dest=dest, action="store_true", default=default, help=help_on)
-    group.add_argument(f"--no-{name}", dest=dest, action="store_false")
+def field_default(cls, name: str):
+    """The default of dataclass field ``cls.name`` (what its flag defaults to)."""
+    f = cls.__dataclass_fields__[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()
+
+
+class _Flags:
+    """An argument group whose flags store into fields of config dataclass ``cls``; the
+    destination is the flag's name (``--hidden-size`` -> ``hidden_size``) unless ``field``
+    says, and the default is that field's default unless given."""
+
+    def __init__(self, parser, title: str, cls):
+        self.group, self.cls = parser.add_argument_group(title), cls
+
+    def add(self, *flags, field: str | None = None, **kwargs):
+        dest = field or flags[0].lstrip("-").replace("-", "_")
+        if "default" not in kwargs:
+            kwargs["default"] = field_default(self.cls, dest)
+        self.group.add_argument(*flags, dest=dest, **kwargs)
 
 
 def _add_model_args(parser):
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--recompute-activations", "--checkpoint-activations",
-                   dest="recompute_activations", action="store_true",
-                   help="recompute each transformer layer's activations in backward")
-    g.add_argument("--checkpoint-num-layers", "--recompute-num-layers",
-                   dest="recompute_num_layers", type=int, default=1,
-                   help="layers per recompute chunk")
-    g.add_argument("--partition-activations", "--distribute-checkpointed-activations",
-                   dest="partition_activations", action="store_true",
-                   help="split each recompute chunk's saved input across tp ranks")
-    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
-    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
-    g.add_argument("--no-persist-layer-norm", "--no-fused-layernorm", dest="fused_layernorm",
-                   action="store_false")
-    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
-                   action="store_false")
+    g = _Flags(parser, "model", ModelConfig)
+    for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
+                 "seq-length", "max-position-embeddings", "make-vocab-size-divisible-by"):
+        g.add(f"--{name}", type=int)
+    for name in ("layernorm-epsilon", "init-method-std", "attention-dropout", "hidden-dropout"):
+        g.add(f"--{name}", type=float)
+    g.add("--recompute-activations", "--checkpoint-activations", action="store_true",
+          help="recompute each transformer layer's activations in backward")
+    g.add("--checkpoint-num-layers", "--recompute-num-layers", field="recompute_num_layers",
+          type=int, help="layers per recompute chunk")
+    g.add("--partition-activations", "--distribute-checkpointed-activations",
+          action="store_true", help="split each recompute chunk's saved input across tp ranks")
+    g.add("--no-bias-gelu-fusion", field="bias_gelu_fusion", action="store_false")
+    g.add("--no-bias-dropout-fusion", field="bias_dropout_fusion", action="store_false")
+    g.add("--no-persist-layer-norm", "--no-fused-layernorm", field="fused_layernorm",
+          action="store_false")
 
 
 def _add_parallel_args(parser):
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--overlap-p2p-communication", dest="overlap_p2p_comm",
-                   action="store_true", default=True,
-                   help="interleaved schedule: keep each p2p exchange in flight during the "
-                        "other direction's compute (default)")
-    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm",
-                   action="store_false",
-                   help="interleaved schedule: wait for every exchange after each step")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
-                   help="default: nccl when CUDA is available, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    g.add_argument("--world-size", type=int, default=None,
-                   help="normally taken from torchrun's WORLD_SIZE")
+    g = _Flags(parser, "parallelism", ParallelConfig)
+    g.add("--tensor-model-parallel-size", type=int)
+    g.add("--pipeline-model-parallel-size", type=int)
+    g.group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                         help="interleaved schedule: layers per virtual stage")
+    g.add("--overlap-p2p-communication", field="overlap_p2p_comm", action="store_true",
+          help="interleaved schedule: keep each p2p exchange in flight during the other "
+               "direction's compute (default)")
+    g.add("--no-overlap-p2p-communication", field="overlap_p2p_comm", action="store_false",
+          help="interleaved schedule: wait for every exchange after each step")
+    g.add("--sequence-parallel", action="store_true")
+    g.add("--distributed-backend", choices=["gloo", "nccl"],
+          help="default: nccl when CUDA is available, else gloo")
+    g.add("--distributed-timeout-minutes", type=float)
+    g.add("--ring-collectives", choices=["auto", "ring", "native"],
+          help="gloo reduce-scatter/all-gather of 4 MiB and more: megazero's ring, gloo's "
+               "own, or auto (measured once per group; default)")
+    g.group.add_argument("--world-size", type=int, default=None,
+                         help="normally taken from torchrun's WORLD_SIZE")
 
 
 def _add_optimizer_args(parser):
-    g = parser.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", choices=["adam", "lamb", "sgd"], default="adam")
-    g.add_argument("--lr", type=float, default=1.5e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    _bool_pair(g, "adam-w-mode", True, "decoupled weight decay (AdamW); --no-adam-w-mode: L2")
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g = _Flags(parser, "optimizer and learning rate", OptimizerConfig)
+    g.add("--optimizer", choices=["adam", "lamb", "sgd"])
+    g.add("--lr", type=float)
+    g.add("--min-lr", type=float)
+    g.add("--lr-decay-style", choices=["constant", "linear", "cosine"])
+    g.add("--lr-warmup-fraction", type=float)
+    g.add("--lr-warmup-iters", type=int)
+    g.add("--lr-warmup-samples", type=int)
+    g.add("--lr-decay-iters", type=int)
+    g.add("--lr-decay-samples", type=int)
+    for name in ("weight-decay", "adam-beta1", "adam-beta2", "adam-eps"):
+        g.add(f"--{name}", type=float)
+    g.add("--adam-w-mode", action="store_true",
+          help="decoupled weight decay (AdamW); --no-adam-w-mode: L2")
+    g.add("--no-adam-w-mode", field="adam_w_mode", action="store_false")
+    g.add("--sgd-momentum", type=float)
+    g.add("--clip-grad", type=float)
 
-    g = parser.add_argument_group("mixed precision")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="constant loss scale; unset means dynamic scaling with --fp16")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+    g = _Flags(parser, "mixed precision", OptimizerConfig)
+    g.add("--fp16", action="store_true")
+    g.add("--bf16", action="store_true")
+    g.add("--loss-scale", type=float,
+          help="constant loss scale; unset means dynamic scaling with --fp16")
+    g.add("--initial-loss-scale", type=float)
+    g.add("--min-loss-scale", type=float)
+    g.add("--loss-scale-window", type=int)
+    g.add("--hysteresis", type=int)
 
-    g = parser.add_argument_group("ZeRO")
-    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0)
-    g.add_argument("--zero-reduce-bucket-size", type=int, default=25_000_000)
-    g.add_argument("--zero-allgather-bucket-size", type=int, default=25_000_000)
-    g.add_argument("--zero-overlap-comm", action="store_true")
-    g.add_argument("--zero-param-persistence-threshold", type=int, default=0)
-    g.add_argument("--no-zero-prefetch", dest="zero_prefetch", action="store_false")
-    g.add_argument("--no-zero3-order-check", dest="zero3_order_check", action="store_false",
-                   help="skip ZeRO-3's check that dp ranks issue collectives in one order "
-                        "(a tiny all-gather before each; on by default)")
-    g.add_argument("--cpu-offload", "--zero-offload-optimizer", dest="cpu_offload",
-                   action="store_true")
-    g.add_argument("--cpu-torch-adam", action="store_true",
-                   help="use torch.optim.AdamW even when megazero's CPU Adam is built")
-    g.add_argument("--no-fused-optimizer-step", dest="use_fused_step", action="store_false")
+    g = _Flags(parser, "ZeRO", OptimizerConfig)
+    g.add("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    g.add("--zero-reduce-bucket-size", type=int)
+    g.add("--zero-overlap-comm", action="store_true")
+    g.add("--zero-param-persistence-threshold", type=int)
+    g.add("--no-zero-prefetch", field="zero_prefetch", action="store_false")
+    g.add("--no-zero3-order-check", field="zero3_order_check", action="store_false",
+          help="skip ZeRO-3's check that dp ranks issue collectives in one order (a tiny "
+               "all-gather before each; on by default)")
+    g.add("--cpu-offload", "--zero-offload-optimizer", field="cpu_offload",
+          action="store_true")
+    g.add("--cpu-torch-adam", action="store_true",
+          help="use torch.optim.AdamW even when megazero's CPU Adam is built")
+    g.add("--no-fused-optimizer-step", field="use_fused_step", action="store_false",
+          help="run the PyTorch reference of the fused optimizer step instead of the kernel")
 
 
 def _add_data_args(parser):
-    g = parser.add_argument_group("data and tokenizer")
-    g.add_argument("--data-path", nargs="*", default=[],
-                   help="prefix, or weight prefix weight prefix ... for a blend")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", default=None,
-                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--num-workers", type=int, default=0)
-    g.add_argument("--mock-data", action="store_true",
-                   help="train on synthetic random tokens (no files); needs --vocab-size")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size of --mock-data's null tokenizer")
-    g.add_argument("--default-corpus-dir", default=None,
-                   help="cache folder of the built-in corpus (default: ~/.cache/megazero)")
+    g = _Flags(parser, "data and tokenizer", DataConfig)
+    g.add("--data-path", nargs="*", help="prefix, or weight prefix weight prefix ... for a blend")
+    g.add("--split")
+    g.add("--data-cache-path")
+    g.add("--tokenizer-type", choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
+    g.add("--vocab-file")
+    g.add("--merge-file")
+    g.add("--tokenizer-model")
+    g.add("--eod-mask-loss", action="store_true")
+    g.add("--reset-position-ids", action="store_true")
+    g.add("--reset-attention-mask", action="store_true")
+    g.add("--num-workers", type=int)
+    g.add("--mock-data", action="store_true",
+          help="train on synthetic random tokens (no files); needs --vocab-size")
+    g.add("--vocab-size", type=int, help="vocabulary size of --mock-data's null tokenizer")
+    g.add("--default-corpus-dir",
+          help="cache folder of the built-in corpus (default: ~/.cache/megazero)")
 
 
 def _add_training_args(parser):
-    g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--skip-train", action="store_true")
+    g = _Flags(parser, "training", TrainConfig)
+    g.add("--micro-batch-size", type=int)
+    g.add("--global-batch-size", type=int)
+    g.add("--train-iters", type=int)
+    g.add("--train-samples", type=int)
+    g.add("--seed", type=int)
+    g.add("--exit-interval", type=int)
+    g.add("--exit-duration-in-mins", type=float)
+    g.add("--skip-train", action="store_true")
 
-    g = parser.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-timers", "--timing-log-level", dest="log_timers", nargs="?",
-                   const=True, default=False, help="print named timers at each log line")
-    g.add_argument("--log-memory", action="store_true",
-                   help="log each rank's bytes of params, grads, main params and optimizer "
-                        "states after the first iteration")
-    g.add_argument("--pipeline-trace", default=None,
-                   help="record each micro-batch's forward/backward times to this file prefix")
+    g = _Flags(parser, "logging and evaluation", TrainConfig)
+    g.add("--log-interval", type=int)
+    g.add("--eval-interval", type=int)
+    g.add("--eval-iters", type=int)
+    g.add("--tensorboard-dir")
+    g.add("--log-timers", "--timing-log-level", nargs="?", const=True,
+          help="print named timers at each log line")
+    g.add("--log-memory", action="store_true",
+          help="log each rank's bytes of params, grads, main params and optimizer states "
+               "after the first iteration")
+    g.add("--pipeline-trace",
+          help="record each micro-batch's forward/backward times to this file prefix")
 
-    g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true")
-    g.add_argument("--use-checkpoint-args", action="store_true")
+    g = _Flags(parser, "checkpointing", TrainConfig)
+    g.add("--save")
+    g.add("--load")
+    g.add("--save-interval", type=int)
+    for name in ("no-save-optim", "no-save-rng", "no-load-optim", "no-load-rng", "finetune",
+                 "use-checkpoint-args"):
+        g.add(f"--{name}", action="store_true")
 
 
 def _add_compat_args(parser):
     """Megatron flags that Megatron scripts pass and megazero does not need: accepted so the
-    scripts run unchanged, with what megazero does instead in their help."""
+    scripts run unchanged, with what megazero does instead in their help. Nothing reads them."""
     g = parser.add_argument_group("Megatron compatibility (accepted, no effect)")
     g.add_argument("--data-impl", choices=["mmap", "infer"], default="mmap",
                    help="megazero reads Megatron's mmap format only")
@@ -196,6 +202,12 @@ def _add_compat_args(parser):
                    help="attention always goes through scaled_dot_product_attention")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="the loss and attention softmax already accumulate in fp32")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
+                   action="store_false",
+                   help="attention goes through scaled_dot_product_attention, fused by torch")
+    g.add_argument("--zero-allgather-bucket-size", type=int, default=25_000_000,
+                   help="parameters are all-gathered in the reduce buckets (ZeRO 1-2) or the "
+                        "units (ZeRO-3)")
     g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_true")
     g.add_argument("--position-embedding-type", choices=["learned_absolute"],
@@ -217,16 +229,11 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     return parser
 
 
-def _pick(ns, cls, **renames):
-    """Build dataclass ``cls`` from the namespace fields of the same name."""
-    import dataclasses
-
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        src = renames.get(f.name, f.name)
-        if hasattr(ns, src):
-            kwargs[f.name] = getattr(ns, src)
-    return cls(**kwargs)
+def _pick(ns, cls, **values):
+    """Dataclass ``cls`` from the namespace fields of the same name (``values`` win)."""
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+              if hasattr(ns, f.name)}
+    return cls(**{**kwargs, **values})
 
 
 def namespace_to_config(ns: argparse.Namespace, world_size: int | None = None) -> MegazeroConfig:
@@ -243,19 +250,10 @@ def namespace_to_config(ns: argparse.Namespace, world_size: int | None = None) -
         v = layers_per_stage // per
     if ns.bf16 or ns.fp16:
         ns.params_dtype = "bfloat16" if ns.bf16 else "float16"
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=ns.tensor_model_parallel_size,
-        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=v,
-        sequence_parallel=ns.sequence_parallel,
-        overlap_p2p_comm=ns.overlap_p2p_comm,
-        world_size=world_size,
-        distributed_backend=ns.distributed_backend,
-        distributed_timeout_minutes=ns.distributed_timeout_minutes,
-    )
     return MegazeroConfig(
         model=_pick(ns, ModelConfig),
-        parallel=parallel,
+        parallel=_pick(ns, ParallelConfig, virtual_pipeline_model_parallel_size=v,
+                       world_size=world_size),
         optimizer=_pick(ns, OptimizerConfig),
         data=_pick(ns, DataConfig),
         train=_pick(ns, TrainConfig),

@@ -85,12 +85,8 @@ def _share_process_groups():
 def _reset_process_state():
     import torch
 
-    from megazero.distributed import comm
-
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float32)
-    comm.STATS.reset()
-    comm.STATS.enabled = True
 
 
 class _Pool:

@@ -147,16 +147,12 @@ def _ring_zero_run(argv):
 
     old = comm.RING_MIN_BYTES
     comm.RING_MIN_BYTES = 0
-    comm.set_ring_policy("ring")
     try:
         from tests.train_helper import _train_worker
 
-        out = _train_worker(argv)
-        out["ring"] = comm.ring_decisions()
-        return out
+        return _train_worker([*argv, "--ring-collectives", "ring"])
     finally:
         comm.RING_MIN_BYTES = old
-        comm.set_ring_policy(None)
 
 
 def test_zero_with_ring_collectives_matches(single_process_run):

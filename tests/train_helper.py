@@ -41,6 +41,7 @@ def _train_worker(argv):
                     continue  # the last stage's copy of the tied embedding
                 pieces[name] = (p.detach().float().clone(), meta.shard.to_dict())
     return {"history": history, "pieces": pieces, "dp_rank": ps.dp_rank,
+            "ring": ps.comm.ring_decisions(),
             "rank": dist.get_rank(), "memory": memory}
 
 

@@ -1,32 +1,51 @@
-"""Collective wrappers over any process group, with byte accounting.
+"""Collective wrappers over any process group, with byte accounting and ring selection.
 
-Every collective megazero issues goes through these functions, so that (a) a group of size one
-(or ``None``) never touches torch.distributed, and (b) ``STATS`` counts the calls and the bytes
-each rank sends and receives per kind of collective. Bytes are those of the bandwidth-optimal
-ring algorithm (what NCCL and megazero's own ring collectives move): for n ranks and a buffer
-of B bytes, all-reduce sends and receives 2(n-1)/n B, all-gather and reduce-scatter (n-1)/n of
-the full buffer, broadcast (n-1)/n B on average; point-to-point counts exactly what moved.
+Every collective megazero issues goes through a ``Communicator``: (a) a group of size one (or
+``None``) never touches torch.distributed; (b) its ``stats`` count the calls and the bytes
+each rank sends and receives per kind of collective; (c) on gloo, large reduce-scatters and
+all-gathers may run on megazero's ring (``ring``), chosen per group by ``ring_policy``
+("auto": measured once per group; "ring"; "native"). Bytes are those of the
+bandwidth-optimal ring algorithm (what NCCL and megazero's own ring collectives move): for n
+ranks and a buffer of B bytes, all-reduce sends and receives 2(n-1)/n B, all-gather and
+reduce-scatter (n-1)/n of the full buffer, broadcast (n-1)/n B on average; point-to-point
+counts exactly what moved.
+
+Each ``ParallelState`` owns one communicator and binds the groups it creates to it
+(``bind``), so code that has only a group (the tensor-parallel layers, usable in any model)
+calls the module functions (``all_reduce(t, group)``, ...), which use the communicator bound
+to that group (``communicator_of``): statistics and ring choices live on the communicator,
+not in this module. A group bound to nothing (a user's own) gets plain collectives, uncounted.
 
 ``OfflineGroup(size, rank)`` stands in for a process group where there is none (tools that
 build one rank's model on the meta device to learn its shapes and shards, e.g. the checkpoint
 converter): ``group_size`` / ``group_rank`` return its numbers and every collective raises
 ``OfflineGroupError``.
 
-This module imports nothing of megazero, so ``tensor_parallel`` stays usable on its own.
+This module imports nothing of megazero but ``distributed.ring``, so ``tensor_parallel``
+stays usable on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from megazero.distributed import ring as _ring
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+RING_POLICIES = ("auto", "ring", "native")
+# Megazero's ring collectives replace gloo's for buffers of at least this size, when the
+# policy (or, with "auto", a one-time measurement on the group) says so. Measured here (two
+# and four ranks): from 4 MiB the ring takes 0.3-0.8x gloo's time; at 1 MiB results are mixed.
+RING_MIN_BYTES = 4 << 20
 
 
 class OfflineGroupError(RuntimeError):
@@ -74,6 +93,12 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def backend_of(group=None) -> str | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_backend(group)
+
+
 @dataclass
 class CommStats:
     """Per-kind counters of one process: calls, bytes sent, bytes received."""
@@ -105,42 +130,8 @@ class CommStats:
                 for k in sorted(self.calls)}
 
 
-STATS = CommStats()
-
-
-@contextlib.contextmanager
-def counting(stats: CommStats = STATS):
-    """Reset the counters on entry; read them inside or after the block."""
-    stats.reset()
-    yield stats
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
-    _require_online(group, "all_reduce")
-    n = group_size(group)
-    if n == 1:
-        return None
-    b = _nbytes(tensor)
-    STATS.add("all_reduce", 2 * (n - 1) / n * b, 2 * (n - 1) / n * b)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-
-# Megazero's ring collectives replace gloo's for buffers of at least this size, when a one-time
-# measurement on the group says they are faster (see ring.py). Measured here (two and four
-# ranks): from 4 MiB the ring takes 0.3-0.8x gloo's time; at 1 MiB the result is mixed.
-RING_MIN_BYTES = 4 << 20
-_RINGS: dict = {}
-_RING_POLICY: list = [None]  # None: $MEGAZERO_RING or "auto"
-
-
-def set_ring_policy(policy: str | None) -> None:
-    """"ring", "native", "auto" (measure per group), or None for ``$MEGAZERO_RING``.
-    Applies to groups not measured yet."""
-    _RING_POLICY[0] = policy
 
 
 def _native_rs(out, inp, group):
@@ -151,135 +142,195 @@ def _native_ag(out, inp, group):
     _all_gather_single(out, inp, group=group)
 
 
-def _ring_for(group, kind: str, nbytes: int):
-    """The group's Ring when it should carry this collective, else None."""
-    if nbytes < RING_MIN_BYTES or backend_of(group) != "gloo":
-        return None
-    entry = _RINGS.get(group)
-    if entry is None:
-        from megazero.distributed import ring
+class Communicator:
+    """Collectives with byte accounting (``stats``) and per-group ring choice (``ring_policy``:
+    "auto", "ring" or "native"); one per ``ParallelState``."""
 
-        enabled, STATS.enabled = STATS.enabled, False
-        try:
-            entry = (ring.Ring(group), ring.choose(group, _native_rs, _native_ag,
-                                                   policy=_RING_POLICY[0]))
-        finally:
-            STATS.enabled = enabled
-        _RINGS[group] = entry
-    return entry[0] if entry[1][kind] else None
+    def __init__(self, ring_policy: str = "auto", stats: CommStats | None = None):
+        if ring_policy not in RING_POLICIES:
+            raise ValueError(f"ring policy must be one of {RING_POLICIES}, got {ring_policy!r}")
+        self.ring_policy = ring_policy
+        self.stats = stats if stats is not None else CommStats()
+        self._rings: dict = {}  # group -> (Ring, {"reduce_scatter": bool, "all_gather": bool})
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Reset the counters on entry; read them inside or after the block."""
+        self.stats.reset()
+        yield self.stats
+
+    def _ring_for(self, group, kind: str, nbytes: int):
+        """The group's Ring when it should carry this collective, else None."""
+        if nbytes < RING_MIN_BYTES or backend_of(group) != "gloo" \
+                or self.ring_policy == "native":
+            return None
+        entry = self._rings.get(group)
+        if entry is None:
+            enabled, self.stats.enabled = self.stats.enabled, False
+            try:
+                entry = (_ring.Ring(group), _ring.choose(group, _native_rs, _native_ag,
+                                                         policy=self.ring_policy))
+            finally:
+                self.stats.enabled = enabled
+            self._rings[group] = entry
+        return entry[0] if entry[1][kind] else None
+
+    def ring_decisions(self) -> dict:
+        """What the measurement (or the policy) chose per group (reports, benchmarks)."""
+        return {str(dist.get_process_group_ranks(g)): d for g, (_, d) in self._rings.items()}
+
+    # ---- collectives ---------------------------------------------------------------------
+    def all_reduce(self, tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
+        _require_online(group, "all_reduce")
+        n = group_size(group)
+        if n == 1:
+            return None
+        b = _nbytes(tensor)
+        self.stats.add("all_reduce", 2 * (n - 1) / n * b, 2 * (n - 1) / n * b)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def all_gather_into(self, output, input_, group=None, async_op=False):
+        """output = concat over ranks of input_ (along dim 0 of the flat layout)."""
+        _require_online(group, "all_gather_into")
+        n = group_size(group)
+        if n == 1:
+            output.copy_(input_.reshape(output.shape))
+            return None
+        b = _nbytes(input_)
+        self.stats.add("all_gather", (n - 1) * b, (n - 1) * b)
+        ring = self._ring_for(group, "all_gather", _nbytes(output))
+        if ring is not None:
+            return ring.all_gather(output.view(-1), input_.reshape(-1), async_op=async_op)
+        # 1-D views: gloo splits the output along dim 0 into n equal chunks of the input's shape.
+        return _all_gather_single(output.view(-1), input_.reshape(-1), group=group,
+                                  async_op=async_op)
+
+    def reduce_scatter_into(self, output, input_, group=None, op=dist.ReduceOp.SUM,
+                            async_op=False, overwrite_input=False):
+        """output = this rank's chunk (dim 0) of the sum over ranks of input_.
+
+        ``overwrite_input`` lets the ring implementation use ``input_`` as scratch space.
+        """
+        _require_online(group, "reduce_scatter_into")
+        n = group_size(group)
+        if n == 1:
+            output.copy_(input_.reshape(output.shape))
+            return None
+        b = _nbytes(output)
+        self.stats.add("reduce_scatter", (n - 1) * b, (n - 1) * b)
+        ring = self._ring_for(group, "reduce_scatter", _nbytes(input_)) \
+            if op == dist.ReduceOp.SUM else None
+        if ring is not None:
+            return ring.reduce_scatter(output.view(-1), input_.reshape(-1),
+                                       overwrite_input=overwrite_input, async_op=async_op)
+        return _reduce_scatter_single(output.view(-1), input_.reshape(-1), op=op, group=group,
+                                      async_op=async_op)
+
+    def broadcast(self, tensor, src: int, group=None, async_op=False):
+        """Broadcast from global rank ``src`` of ``group``."""
+        _require_online(group, "broadcast")
+        n = group_size(group)
+        if n == 1:
+            return None
+        b = _nbytes(tensor)
+        self.stats.add("broadcast", (n - 1) / n * b, (n - 1) / n * b)
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+    def all_gather_object(self, obj, group=None) -> list:
+        """Gather a picklable object of tensors and plain values from every rank of
+        ``group``. Serialised with ``torch.save`` and read back with ``weights_only=True``
+        (torch 2.13's ``dist.all_gather_object`` fails on objects holding tensors)."""
+        _require_online(group, "all_gather_object")
+        n = group_size(group)
+        if n == 1:
+            return [obj]
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = torch.empty(n, dtype=torch.int64)
+        self.all_gather_into(sizes, size, group)
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        out = torch.empty(n * padded.numel(), dtype=torch.uint8)
+        self.all_gather_into(out, padded, group)
+        chunks = out.view(n, -1)
+        blobs = [io.BytesIO(chunks[i, :int(sizes[i])].numpy().tobytes()) for i in range(n)]
+        return [torch.load(blob, weights_only=True) for blob in blobs]
+
+    def barrier(self, group=None) -> None:
+        _require_online(group, "barrier")
+        if group_size(group) > 1:
+            dist.barrier(group=group)
+
+    def count_p2p(self, sent: int, received: int) -> None:
+        """Account a point-to-point message posted elsewhere (batched p2p ops)."""
+        self.stats.add("p2p", sent, received)
+
+    def send(self, tensor, dst: int, group=None):
+        _require_online(group, "send")
+        self.count_p2p(_nbytes(tensor), 0)
+        dist.send(tensor, dst, group=group)
+
+    def recv(self, tensor, src: int, group=None):
+        _require_online(group, "recv")
+        self.count_p2p(0, _nbytes(tensor))
+        dist.recv(tensor, src, group=group)
+
+    def isend(self, tensor, dst: int, group=None):
+        _require_online(group, "isend")
+        self.count_p2p(_nbytes(tensor), 0)
+        return dist.isend(tensor, dst, group=group)
+
+    def irecv(self, tensor, src: int, group=None):
+        _require_online(group, "irecv")
+        self.count_p2p(0, _nbytes(tensor))
+        return dist.irecv(tensor, src, group=group)
 
 
-def ring_decisions() -> dict:
-    """What the measurement chose per group (for reports and benchmarks)."""
-    return {str(dist.get_process_group_ranks(g)): d for g, (_, d) in _RINGS.items()}
+# Plain collectives for groups bound to no communicator: uncounted, never on the ring. It
+# holds no state (its counters are disabled and "native" never measures).
+_PLAIN = Communicator("native", CommStats(enabled=False))
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> Communicator
+
+
+def bind(communicator: Communicator, groups) -> None:
+    """Make ``communicator`` carry the collectives of ``groups`` (process groups; ``None``
+    and offline groups are skipped). A group belongs to the last communicator bound to it."""
+    for group in groups:
+        if group is not None and not isinstance(group, OfflineGroup):
+            _BOUND[group] = communicator
+
+
+def communicator_of(group) -> Communicator:
+    """The communicator bound to ``group``, or plain uncounted collectives."""
+    if group is None or isinstance(group, OfflineGroup):
+        return _PLAIN
+    return _BOUND.get(group, _PLAIN)
+
+
+def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
+    return communicator_of(group).all_reduce(tensor, group, op=op, async_op=async_op)
 
 
 def all_gather_into(output, input_, group=None, async_op=False):
-    """output = concat over ranks of input_ (along dim 0 of the flat layout)."""
-    _require_online(group, "all_gather_into")
-    n = group_size(group)
-    if n == 1:
-        output.copy_(input_.reshape(output.shape))
-        return None
-    b = _nbytes(input_)
-    STATS.add("all_gather", (n - 1) * b, (n - 1) * b)
-    ring = _ring_for(group, "all_gather", _nbytes(output))
-    if ring is not None:
-        return ring.all_gather(output.view(-1), input_.reshape(-1), async_op=async_op)
-    # 1-D views: gloo splits the output along dim 0 into n equal chunks of the input's shape.
-    return _all_gather_single(output.view(-1), input_.reshape(-1), group=group,
-                              async_op=async_op)
+    return communicator_of(group).all_gather_into(output, input_, group, async_op=async_op)
 
 
 def reduce_scatter_into(output, input_, group=None, op=dist.ReduceOp.SUM, async_op=False,
                         overwrite_input=False):
-    """output = this rank's chunk (dim 0) of the sum over ranks of input_.
-
-    ``overwrite_input`` lets the ring implementation use ``input_`` as scratch space.
-    """
-    _require_online(group, "reduce_scatter_into")
-    n = group_size(group)
-    if n == 1:
-        output.copy_(input_.reshape(output.shape))
-        return None
-    b = _nbytes(output)
-    STATS.add("reduce_scatter", (n - 1) * b, (n - 1) * b)
-    ring = _ring_for(group, "reduce_scatter", _nbytes(input_)) \
-        if op == dist.ReduceOp.SUM else None
-    if ring is not None:
-        return ring.reduce_scatter(output.view(-1), input_.reshape(-1),
-                                   overwrite_input=overwrite_input, async_op=async_op)
-    return _reduce_scatter_single(output.view(-1), input_.reshape(-1), op=op, group=group,
-                                  async_op=async_op)
+    return communicator_of(group).reduce_scatter_into(output, input_, group, op=op,
+                                                      async_op=async_op,
+                                                      overwrite_input=overwrite_input)
 
 
 def broadcast(tensor, src: int, group=None, async_op=False):
-    """Broadcast from global rank ``src`` of ``group``."""
-    _require_online(group, "broadcast")
-    n = group_size(group)
-    if n == 1:
-        return None
-    b = _nbytes(tensor)
-    STATS.add("broadcast", (n - 1) / n * b, (n - 1) / n * b)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return communicator_of(group).broadcast(tensor, src, group, async_op=async_op)
 
 
 def all_gather_object(obj, group=None) -> list:
-    """Gather a picklable object of tensors and plain values from every rank of ``group``.
-
-    Serialised with ``torch.save`` and read back with ``weights_only=True`` (torch 2.13's
-    ``dist.all_gather_object`` fails on objects holding tensors).
-    """
-    _require_online(group, "all_gather_object")
-    n = group_size(group)
-    if n == 1:
-        return [obj]
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = torch.empty(n, dtype=torch.int64)
-    all_gather_into(sizes, size, group)
-    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    padded[:data.numel()] = data
-    out = torch.empty(n * padded.numel(), dtype=torch.uint8)
-    all_gather_into(out, padded, group)
-    chunks = out.view(n, -1)
-    blobs = [io.BytesIO(chunks[i, :int(sizes[i])].numpy().tobytes()) for i in range(n)]
-    return [torch.load(blob, weights_only=True) for blob in blobs]
+    return communicator_of(group).all_gather_object(obj, group)
 
 
 def barrier(group=None) -> None:
-    _require_online(group, "barrier")
-    if group_size(group) > 1:
-        dist.barrier(group=group)
-
-
-def send(tensor, dst: int, group=None):
-    _require_online(group, "send")
-    STATS.add("p2p", _nbytes(tensor), 0)
-    dist.send(tensor, dst, group=group)
-
-
-def recv(tensor, src: int, group=None):
-    _require_online(group, "recv")
-    STATS.add("p2p", 0, _nbytes(tensor))
-    dist.recv(tensor, src, group=group)
-
-
-def isend(tensor, dst: int, group=None):
-    _require_online(group, "isend")
-    STATS.add("p2p", _nbytes(tensor), 0)
-    return dist.isend(tensor, dst, group=group)
-
-
-def irecv(tensor, src: int, group=None):
-    _require_online(group, "irecv")
-    STATS.add("p2p", 0, _nbytes(tensor))
-    return dist.irecv(tensor, src, group=group)
-
-
-def backend_of(group=None) -> str | None:
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.get_backend(group)
+    communicator_of(group).barrier(group)

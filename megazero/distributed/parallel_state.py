@@ -16,8 +16,9 @@ Example, 8 ranks with tp=2, pp=2 (so dp=2)::
     model-parallel   [0,1,4,5] [2,3,6,7]      (tp x pp: one full model replica)
     embedding        [0,4] [1,5] [2,6] [3,7]  (first + last stage: the tied word embedding)
 
-``ParallelState`` holds sizes, ranks and groups; layers, schedules, optimizers and checkpointing
-receive it (or one of its groups) as an argument. There is no module-level state. With one
+``ParallelState`` holds sizes, ranks and groups, and the ``Communicator`` its groups are bound
+to (collective statistics, ring choices: ``ps.comm``); layers, schedules, optimizers and
+checkpointing receive it (or one of its groups) as an argument. With one
 process and no torch.distributed initialised, every group is ``None`` and every collective in
 megazero short-circuits, so the same code runs as plain single-process PyTorch.
 """
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ConfigError
+from megazero.distributed.comm import Communicator, bind
 
 
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
@@ -84,14 +86,18 @@ class ParallelState:
     embedding_group: object = None
     world_group: object = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    comm: Communicator = field(default_factory=Communicator)  # stats, ring choices
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def build(cls, tp_size: int = 1, pp_size: int = 1, *, virtual_pp_size: int | None = None,
-              device: torch.device | str | None = None) -> ParallelState:
+              device: torch.device | str | None = None,
+              ring_policy: str = "auto") -> ParallelState:
         """Create the groups for this process. Every rank must call this with the same sizes.
 
         Without an initialised torch.distributed, only a world of one process is allowed.
+        The groups are bound to this state's ``Communicator`` (``ring_policy``: "auto",
+        "ring" or "native" reduce-scatter/all-gather on gloo).
         """
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
@@ -105,7 +111,8 @@ class ParallelState:
                 if torch.cuda.is_available() and _backend() == "nccl" else torch.device("cpu")
         state = cls(world_size=world, rank=rank, tp_size=tp_size, pp_size=pp_size,
                     dp_size=dp_size, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
-                    virtual_pp_size=virtual_pp_size, device=torch.device(device))
+                    virtual_pp_size=virtual_pp_size, device=torch.device(device),
+                    comm=Communicator(ring_policy))
         distributed = world > 1
         state.embedding_ranks = []  # middle pipeline stages belong to no embedding group
         for kind in ("tp", "dp", "pp", "mp", "embedding"):
@@ -117,6 +124,8 @@ class ParallelState:
                     setattr(state, f"{kind}_ranks", list(ranks))
                     setattr(state, f"{kind}_group", group)
         state.world_group = dist.group.WORLD if distributed else None
+        bind(state.comm, (state.tp_group, state.dp_group, state.pp_group, state.mp_group,
+                          state.embedding_group, state.world_group))
         return state
 
     @classmethod
@@ -124,7 +133,7 @@ class ParallelState:
         return cls.build(parallel_config.tensor_model_parallel_size,
                          parallel_config.pipeline_model_parallel_size,
                          virtual_pp_size=parallel_config.virtual_pipeline_model_parallel_size,
-                         device=device)
+                         device=device, ring_policy=parallel_config.ring_collectives)
 
     # ---- pipeline facts -----------------------------------------------------------------
     @property

@@ -8,16 +8,15 @@ all-gather fills every chunk on every rank.
 
 On torch 2.13's gloo, ``reduce_scatter_tensor`` of 64 MiB over two ranks is slower than a full
 ``all_reduce`` of it, while one-way send/recv moves ~1.3 GB/s, so these rings win for large
-buffers; ``comm`` picks between them and the backend's collectives by measuring once per
-group (``choose``). Operations may run asynchronously on one background thread per group, in
-issue order; each uses its own message tags, high above the small tags of other users.
-This module imports nothing of megazero.
+buffers; ``comm`` picks between them and the backend's collectives per group, by its
+policy or by measuring once (``choose``). Operations may run asynchronously on one
+background thread per group, in issue order; each uses its own message tags, high above the
+small tags of other users. This module imports nothing of megazero.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import statistics
 import time
 
@@ -129,15 +128,13 @@ def _median_time(fn, group, reps=5):
     return statistics.median(times)
 
 
-def choose(group, native_rs, native_ag, numel: int = 1 << 22, policy: str | None = None) -> dict:
-    """Measure native vs ring reduce-scatter and all-gather on ``group`` (a 16 MiB fp32
-    buffer; median of 5 of the slowest rank's times, after a warm-up), decide on rank 0 and
-    broadcast: ``{"reduce_scatter": bool, ...}`` where
-    True means use the ring. ``policy`` (default ``$MEGAZERO_RING``) "1"/"ring" or
-    "0"/"native" forces the choice without measuring."""
-    policy = policy if policy is not None else os.environ.get("MEGAZERO_RING", "auto")
-    if policy in ("0", "1", "ring", "native"):
-        use = policy in ("1", "ring")
+def choose(group, native_rs, native_ag, numel: int = 1 << 22, policy: str = "auto") -> dict:
+    """``{"reduce_scatter": bool, "all_gather": bool}``, True meaning use the ring on
+    ``group``. ``policy`` "ring" or "native" decides without measuring; "auto" measures
+    native vs ring reduce-scatter and all-gather (a 16 MiB fp32 buffer; median of 5 of the
+    slowest rank's times, after a warm-up), decides on rank 0 and broadcasts."""
+    if policy in ("ring", "native"):
+        use = policy == "ring"
         return {"reduce_scatter": use, "all_gather": use}
     ring = Ring(group)
     n = ring.n

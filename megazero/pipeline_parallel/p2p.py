@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState
 
 # High tags: never equal to the small sequence numbers gloo gives its own collectives.
@@ -95,10 +94,10 @@ class P2P:
     def _op(self, fn, tensor, peer, tag):
         nbytes = tensor.numel() * tensor.element_size()
         if fn is dist.isend:
-            comm.STATS.add("p2p", nbytes, 0)
+            self.ps.comm.count_p2p(nbytes, 0)
             tensor = tensor.detach().contiguous()
         else:
-            comm.STATS.add("p2p", 0, nbytes)
+            self.ps.comm.count_p2p(0, nbytes)
         return dist.P2POp(fn, tensor, peer, tag=tag), tensor
 
     def _start(self, ops):
