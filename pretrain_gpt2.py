@@ -13,6 +13,7 @@ from functools import partial
 import torch
 
 from megazero.arguments import parse_args
+from megazero.distributed import destroy_distributed
 from megazero.model import build_gpt_model_chunks, gpt_zero3_units
 from megazero.training import pretrain
 from megazero.training.data import default_datasets_provider
@@ -59,3 +60,6 @@ def forward_step(data_iterator, model):
 if __name__ == "__main__":
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step, parse_args(),
              zero3_unit_policy=zero3_unit_policy)
+    # Join the process groups' threads before the interpreter exits: left to the atexit
+    # teardown, gloo's threads are sometimes destroyed while joinable (SIGABRT, rc != 0).
+    destroy_distributed()

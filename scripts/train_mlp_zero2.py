@@ -15,6 +15,7 @@ import torch
 
 import megazero
 from megazero.config import OptimizerConfig, ParallelConfig
+from megazero.distributed import destroy_distributed, init_distributed
 
 
 def main():
@@ -24,7 +25,7 @@ def main():
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
-    state = megazero.initialize.init_distributed(ParallelConfig(world_size=world))
+    state = init_distributed(ParallelConfig(world_size=world))
     torch.manual_seed(0)  # same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 1))
@@ -43,6 +44,7 @@ def main():
             print(f"step {step:4d} | loss {loss.item():.5f}")
     report = {k: v for k, v in engine.memory_report().items() if v}
     print(f"rank {state.rank}: bytes of model states {report}")
+    destroy_distributed()  # join the process groups' threads before the interpreter exits
 
 
 if __name__ == "__main__":

@@ -40,7 +40,11 @@ import torch.distributed as dist
 from megazero.checkpoint import CheckpointReader, load_checkpoint
 from megazero.config import MegazeroConfig
 from megazero.distributed import comm
-from megazero.distributed.init import init_distributed, launched_by_torchrun
+from megazero.distributed.init import (
+    destroy_distributed,
+    init_distributed,
+    launched_by_torchrun,
+)
 from megazero.distributed.parallel_state import ParallelState
 from megazero.model import KVCache, build_gpt_model_chunks
 from megazero.tensor_parallel.mappings import gather_from_tp_region
@@ -262,4 +266,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    destroy_distributed()  # join the process groups' threads before the interpreter exits
+    sys.exit(rc)
