@@ -48,6 +48,7 @@ from megazero.distributed.init import (
 from megazero.distributed.parallel_state import ParallelState
 from megazero.model import KVCache, build_gpt_model_chunks
 from megazero.tensor_parallel.mappings import gather_from_tp_region
+from megazero.tokenizer import build_tokenizer
 from megazero.tokenizer.null import NullTokenizer
 
 logger = logging.getLogger("megazero.inference.generate")
@@ -132,8 +133,6 @@ def build_generation_tokenizer(config: MegazeroConfig, overrides: dict | None = 
     o = {k: v for k, v in (overrides or {}).items() if v is not None}
     if d.mock_data and not o:
         return NullTokenizer(config.model.vocab_size)
-    from megazero.tokenizer import build_tokenizer
-
     kind = o.get("tokenizer_type") or d.tokenizer_type
     if kind is None:
         kind = "SentencePieceTokenizer" if o.get("tokenizer_model") else \

@@ -13,17 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero import ops
 from megazero.tensor_parallel.meta import ParamMeta, init_ones, init_zeros, set_meta
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-def _ops():
-    try:
-        import megazero.ops as ops
-    except ImportError:  # pragma: no cover - ops is part of the package
-        return None
-    return ops
 
 
 def gelu_tanh(y: torch.Tensor) -> torch.Tensor:
@@ -33,8 +26,7 @@ def gelu_tanh(y: torch.Tensor) -> torch.Tensor:
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
     """gelu(x + bias): [s, b, f/tp] -> [s, b, f/tp]."""
-    ops = _ops()
-    if fused and bias is not None and ops is not None and hasattr(ops, "fused_bias_gelu"):
+    if fused and bias is not None:
         return ops.fused_bias_gelu(x, bias)
     if bias is not None:
         x = x + bias
@@ -44,8 +36,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                      p: float, training: bool, fused: bool) -> torch.Tensor:
     """residual + dropout(x + bias): [s, b, h] (or [s/tp, b, h] with sequence parallelism)."""
-    ops = _ops()
-    if fused and ops is not None and hasattr(ops, "fused_bias_dropout_add"):
+    if fused:
         return ops.fused_bias_dropout_add(x, bias, residual, p, training)
     if bias is not None:
         x = x + bias
@@ -71,8 +62,7 @@ class LayerNorm(nn.Module):
                                              sequence_parallel=sequence_parallel))
 
     def forward(self, x):
-        ops = _ops()
-        if self.fused and ops is not None and hasattr(ops, "fused_layer_norm"):
+        if self.fused:
             return ops.fused_layer_norm(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
 

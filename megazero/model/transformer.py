@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.distributed import comm
 from megazero.model.fused import LayerNorm, bias_dropout_add, bias_gelu
 from megazero.model.kv_cache import KVCache
 from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_normal
@@ -39,8 +40,6 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp_group, tracker: RNGStatesTracker | None, *,
                  sequence_parallel: bool, device=None):
         super().__init__()
-        from megazero.distributed import comm
-
         tp = comm.group_size(tp_group)
         self.heads_per_rank = config.num_attention_heads // tp
         self.head_dim = config.head_dim

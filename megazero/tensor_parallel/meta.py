@@ -90,7 +90,7 @@ class ParamMeta:
     local_shape: tuple[int, ...]  # this rank's tensor (padding included), kept when ZeRO-3
     #                               frees the storage
     init: InitSpec | None = None  # drawn from (seed, name) when set; None: not megazero's
-    tensor_parallel: bool = False  # split over the tp group (Megatron: tensor_model_parallel)
+    tensor_parallel: bool = False  # split over the tp group (Megatron's tensor-model-parallel)
     sequence_parallel: bool = False  # replicated over tp, gradient partial per tp rank
     #                                  (sequence-parallel regions): all-reduced over tp
     tied_embedding: bool = False  # the word embedding held by the first and last stages,

@@ -46,8 +46,10 @@ from megazero.config import (
 )
 from megazero.tensor_parallel.layers import padded_vocab_size
 from megazero.tensor_parallel.random import RNGStatesTracker
+from megazero.tokenizer import build_tokenizer
 from megazero.tools import hf
 from megazero.tools.offline import offline_parallel_state, target_config, write_checkpoint
+from megazero.tools.zero_to_fp32 import main as zero_to_fp32
 
 
 def _iteration(value):
@@ -237,8 +239,6 @@ def _tokenizer_eod(data: dict, model: dict) -> int | None:
     if data.get("mock_data"):
         return model["vocab_size"] - 1
     try:
-        from megazero.tokenizer import build_tokenizer
-
         return build_tokenizer(data["tokenizer_type"], vocab_file=data.get("vocab_file"),
                                merge_file=data.get("merge_file"),
                                tokenizer_model=data.get("tokenizer_model")).eod
@@ -307,8 +307,6 @@ def cmd_from_hf(a) -> int:
 
 
 def cmd_to_fp32(a) -> int:
-    from megazero.tools.zero_to_fp32 import main as zero_to_fp32
-
     argv = [a.checkpoint, a.output] + ([] if a.iteration is None else
                                        ["--iteration", str(a.iteration)])
     return zero_to_fp32(argv)

@@ -13,9 +13,13 @@ import logging
 
 import torch
 
+from megazero.data.default_corpus import build_default_corpus
+from megazero.data.gpt_dataset import build_train_valid_test_datasets, get_ltor_batch
 from megazero.data.mock import MockGPTDataset
+from megazero.data.samplers import build_pretraining_data_loader
 from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState
+from megazero.tokenizer import build_tokenizer
 from megazero.tokenizer.null import NullTokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,8 +37,6 @@ def prepare_tokenizer(config, ps: ParallelState):
             d.data_path = [corpus.data_prefix]
             d.tokenizer_type = corpus.tokenizer_type
             d.tokenizer_model = corpus.tokenizer_model
-        from megazero.tokenizer import build_tokenizer
-
         tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file,
                                     merge_file=d.merge_file, tokenizer_model=d.tokenizer_model,
                                     make_vocab_size_divisible_by=(
@@ -45,8 +47,6 @@ def prepare_tokenizer(config, ps: ParallelState):
 
 
 def _default_corpus(cache_dir, ps):
-    from megazero.data.default_corpus import build_default_corpus
-
     if ps.rank == 0:
         corpus = build_default_corpus(cache_dir)
     comm.barrier(ps.world_group)
@@ -62,8 +62,6 @@ def default_datasets_provider(config, tokenizer, num_samples, ps: ParallelState)
         return tuple(MockGPTDataset(n, m.seq_length, tokenizer.vocab_size,
                                     config.train.seed + k) if n > 0 else None
                      for k, n in enumerate(num_samples))
-    from megazero.data.gpt_dataset import build_train_valid_test_datasets
-
     return build_train_valid_test_datasets(
         d.data_path, d.split, tuple(num_samples), m.seq_length, config.train.seed,
         d.data_cache_path, barrier=lambda: comm.barrier(ps.world_group),
@@ -84,8 +82,6 @@ class BatchIterator:
         self.reset(consumed_samples)
 
     def reset(self, consumed_samples: int = 0):
-        from megazero.data.samplers import build_pretraining_data_loader
-
         t = self.config.train
         self.loader = build_pretraining_data_loader(
             self.dataset, consumed_samples, t.micro_batch_size, self.ps.dp_rank, self.ps.dp_size,
@@ -99,8 +95,6 @@ class BatchIterator:
         return self
 
     def __next__(self):
-        from megazero.data.gpt_dataset import get_ltor_batch
-
         try:
             raw = next(self._it)
         except StopIteration:
