@@ -189,16 +189,23 @@ class Communicator:
         self.stats.add("all_reduce", 2 * (n - 1) / n * b, 2 * (n - 1) / n * b)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    def all_gather_into(self, output, input_, group=None, async_op=False):
-        """output = concat over ranks of input_ (along dim 0 of the flat layout)."""
-        _require_online(group, "all_gather_into")
+    def _begin(self, kind, output, input_, group, shard_nbytes, full_nbytes, ring_ok=True):
+        """What all-gather and reduce-scatter share: (False, None) when the group has one
+        rank (the copy is done), else count the bytes and (True, the Ring to use or None)."""
+        _require_online(group, f"{kind}_into")
         n = group_size(group)
         if n == 1:
             output.copy_(input_.reshape(output.shape))
+            return False, None
+        self.stats.add(kind, (n - 1) * shard_nbytes, (n - 1) * shard_nbytes)
+        return True, self._ring_for(group, kind, full_nbytes) if ring_ok else None
+
+    def all_gather_into(self, output, input_, group=None, async_op=False):
+        """output = concat over ranks of input_ (along dim 0 of the flat layout)."""
+        active, ring = self._begin("all_gather", output, input_, group, _nbytes(input_),
+                                   _nbytes(output))
+        if not active:
             return None
-        b = _nbytes(input_)
-        self.stats.add("all_gather", (n - 1) * b, (n - 1) * b)
-        ring = self._ring_for(group, "all_gather", _nbytes(output))
         if ring is not None:
             return ring.all_gather(output.view(-1), input_.reshape(-1), async_op=async_op)
         # 1-D views: gloo splits the output along dim 0 into n equal chunks of the input's shape.
@@ -211,15 +218,10 @@ class Communicator:
 
         ``overwrite_input`` lets the ring implementation use ``input_`` as scratch space.
         """
-        _require_online(group, "reduce_scatter_into")
-        n = group_size(group)
-        if n == 1:
-            output.copy_(input_.reshape(output.shape))
+        active, ring = self._begin("reduce_scatter", output, input_, group, _nbytes(output),
+                                   _nbytes(input_), ring_ok=op == dist.ReduceOp.SUM)
+        if not active:
             return None
-        b = _nbytes(output)
-        self.stats.add("reduce_scatter", (n - 1) * b, (n - 1) * b)
-        ring = self._ring_for(group, "reduce_scatter", _nbytes(input_)) \
-            if op == dist.ReduceOp.SUM else None
         if ring is not None:
             return ring.reduce_scatter(output.view(-1), input_.reshape(-1),
                                        overwrite_input=overwrite_input, async_op=async_op)

@@ -82,121 +82,70 @@ def _all_reduce(x: torch.Tensor, group, inplace: bool) -> torch.Tensor:
     return x
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
+
+
+def _view(x: torch.Tensor, group) -> torch.Tensor:
+    return x.view_as(x)  # a new tensor for autograd, no copy
+
+
+def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    # The incoming tensor may alias another branch's (a gradient, an input): reduce a copy.
+    return _all_reduce(x, group, inplace=False)
+
+
+class _Mapping(torch.autograd.Function):
+    """``fwd(x, group)`` forward, ``bwd(grad, group)`` backward: every f/g pair below."""
 
     @staticmethod
-    def backward(ctx, grad):
-        # The incoming gradient may alias another branch's gradient: reduce a copy.
-        return _all_reduce(grad, ctx.group, inplace=False), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group, inplace=False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        return ctx.bwd(grad, ctx.group), None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group = group
-        ctx.tp_output_grad = tensor_parallel_output_grad
-        return _gather_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # If the consumer of the gathered tensor is tensor-parallel (a column-parallel linear),
-        # each rank holds a partial gradient of the full sequence: reduce-scatter it. Otherwise
-        # the gradient is already complete on every rank: keep this rank's slice.
-        if ctx.tp_output_grad:
-            return _reduce_scatter_first(grad, ctx.group), None, None
-        return _split_first(grad, ctx.group), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+def _apply(x, group, fwd, bwd):
+    return _Mapping.apply(x, group, fwd, bwd) if comm.group_size(group) > 1 else x
 
 
 def copy_to_tp_region(x, group):
     """Forward: identity. Backward: all-reduce the gradient over ``group``."""
-    return _CopyToTP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _apply(x, group, _view, _reduce)
 
 
 def reduce_from_tp_region(x, group):
     """Forward: all-reduce (sum) over ``group``. Backward: identity."""
-    return _ReduceFromTP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _apply(x, group, _reduce, _identity)
 
 
 def scatter_to_tp_region(x, group):
     """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
-    return _ScatterToTP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _apply(x, group, _split_last, _gather_last)
 
 
 def gather_from_tp_region(x, group):
     """Forward: all-gather along the last dim. Backward: keep this rank's chunk."""
-    return _GatherFromTP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _apply(x, group, _gather_last, _split_last)
 
 
 def scatter_to_sequence_parallel_region(x, group):
     """Forward: keep this rank's chunk of the first dim. Backward: all-gather the first dim."""
-    return _ScatterToSP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _apply(x, group, _split_first, _gather_first)
 
 
 def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
     """Forward: all-gather along the first dim. Backward: reduce-scatter (or split)."""
-    if comm.group_size(group) == 1:
-        return x
-    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
+    # If the consumer of the gathered tensor is tensor-parallel (a column-parallel linear),
+    # each rank holds a partial gradient of the full sequence: reduce-scatter it. Otherwise
+    # the gradient is already complete on every rank: keep this rank's slice.
+    bwd = _reduce_scatter_first if tensor_parallel_output_grad else _split_first
+    return _apply(x, group, _gather_first, bwd)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group):
     """Forward: reduce-scatter along the first dim. Backward: all-gather the first dim."""
-    return _ReduceScatterToSP.apply(x, group) if comm.group_size(group) > 1 else x
+    return _apply(x, group, _reduce_scatter_first, _gather_first)

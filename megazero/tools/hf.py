@@ -28,20 +28,13 @@ import torch
 from megazero.checkpoint.paths import atomic_save, atomic_write_text
 
 PREFIX = "transformer."
-_LAYER_MAP = {  # HF suffix -> (megazero suffix, transposed)
-    "ln_1.weight": ("input_layernorm.weight", False),
-    "ln_1.bias": ("input_layernorm.bias", False),
-    "attn.c_attn.weight": ("attention.qkv.weight", True),
-    "attn.c_attn.bias": ("attention.qkv.bias", False),
-    "attn.c_proj.weight": ("attention.proj.weight", True),
-    "attn.c_proj.bias": ("attention.proj.bias", False),
-    "ln_2.weight": ("post_attention_layernorm.weight", False),
-    "ln_2.bias": ("post_attention_layernorm.bias", False),
-    "mlp.c_fc.weight": ("mlp.fc1.weight", True),
-    "mlp.c_fc.bias": ("mlp.fc1.bias", False),
-    "mlp.c_proj.weight": ("mlp.fc2.weight", True),
-    "mlp.c_proj.bias": ("mlp.fc2.bias", False),
-}
+# HF module -> (megazero module, HF weight stored transposed: Conv1D's [in, out])
+_LAYER_MODULES = (("ln_1", "input_layernorm", False), ("attn.c_attn", "attention.qkv", True),
+                  ("attn.c_proj", "attention.proj", True),
+                  ("ln_2", "post_attention_layernorm", False), ("mlp.c_fc", "mlp.fc1", True),
+                  ("mlp.c_proj", "mlp.fc2", True))
+_LAYER_MAP = {f"{hf}.{w}": (f"{mz}.{w}", transposed and w == "weight")  # HF suffix -> (ours, T)
+              for hf, mz, transposed in _LAYER_MODULES for w in ("weight", "bias")}
 _TOP_MAP = {"wte.weight": "embedding.word_embeddings.weight",
             "wpe.weight": "embedding.position_embeddings.weight",
             "ln_f.weight": "final_layernorm.weight", "ln_f.bias": "final_layernorm.bias"}
