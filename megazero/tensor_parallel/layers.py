@@ -65,7 +65,33 @@ def _keys(init_key_: int | None, seed_name: tuple[int, str] | None):
     return None, None
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What both tensor-parallel linears hold: the tp group and its size and rank, the sizes,
+    and a weight (and optional bias) drawn layout-invariantly for their shards."""
+
+    def __init__(self, input_size: int, output_size: int, tp_group, *, skip_bias_add: bool,
+                 sequence_parallel: bool):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add, self.sequence_parallel = skip_bias_add, sequence_parallel
+
+    def _make_params(self, weight_shape, weight_shard: ShardInfo, bias_shape, bias_shard, *,
+                     bias: bool, bias_sequence_parallel: bool, init_method, init_key,
+                     seed_name, params_dtype, device) -> None:
+        wkey, bkey = _keys(init_key, seed_name)
+        self.weight = _make_param(weight_shape, init_method or init_normal(0.02), weight_shard,
+                                  wkey, dtype=params_dtype, device=device, tensor_parallel=True)
+        if not bias:
+            self.register_parameter("bias", None)
+            return
+        self.bias = _make_param(bias_shape, init_zeros(), bias_shard, bkey, dtype=params_dtype,
+                                device=device, tensor_parallel=bias_shard.dim is not None,
+                                sequence_parallel=bias_sequence_parallel)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Linear layer with the output dimension split over tp ranks.
 
     Forward: input ``[s, b, in]`` (``[s/tp, b, in]`` with sequence_parallel, all-gathered
@@ -80,30 +106,19 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False, init_method: InitSpec | None = None,
                  init_key: int | None = None, seed_name: tuple[int, str] | None = None,
                  params_dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        super().__init__(input_size, output_size, tp_group, skip_bias_add=skip_bias_add,
+                         sequence_parallel=sequence_parallel)
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel and gather_output "
                              "cannot both be set")
-        self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = divide(output_size, self.tp_size, "output size")
-        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.sequence_parallel = sequence_parallel
-        init_method = init_method or init_normal(0.02)
-        wkey, bkey = _keys(init_key, seed_name)
-        start = self.tp_rank * self.output_size_per_partition
-        shard = ShardInfo((output_size, input_size), 0, start, self.output_size_per_partition)
-        self.weight = _make_param((self.output_size_per_partition, input_size), init_method,
-                                  shard, wkey, dtype=params_dtype, device=device,
-                                  tensor_parallel=True)
-        if bias:
-            bshard = ShardInfo((output_size,), 0, start, self.output_size_per_partition)
-            self.bias = _make_param((self.output_size_per_partition,), init_zeros(), bshard,
-                                    bkey, dtype=params_dtype, device=device,
-                                    tensor_parallel=True)
-        else:
-            self.register_parameter("bias", None)
+        per = self.output_size_per_partition = divide(output_size, self.tp_size, "output size")
+        self.gather_output = gather_output
+        start = self.tp_rank * per
+        self._make_params((per, input_size), ShardInfo((output_size, input_size), 0, start, per),
+                          (per,), ShardInfo((output_size,), 0, start, per), bias=bias,
+                          bias_sequence_parallel=False, init_method=init_method,
+                          init_key=init_key, seed_name=seed_name, params_dtype=params_dtype,
+                          device=device)
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -121,7 +136,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear layer with the input dimension split over tp ranks.
 
     Forward: input ``[s, b, in/tp]`` (or ``[s, b, in]``, scattered first, unless
@@ -135,31 +150,20 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, init_method: InitSpec | None = None,
                  init_key: int | None = None, seed_name: tuple[int, str] | None = None,
                  params_dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        super().__init__(input_size, output_size, tp_group, skip_bias_add=skip_bias_add,
+                         sequence_parallel=sequence_parallel)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel")
-        self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
-        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
-        self.sequence_parallel = sequence_parallel
-        init_method = init_method or init_normal(0.02)
-        wkey, bkey = _keys(init_key, seed_name)
-        start = self.tp_rank * self.input_size_per_partition
-        shard = ShardInfo((output_size, input_size), 1, start, self.input_size_per_partition)
-        self.weight = _make_param((output_size, self.input_size_per_partition), init_method,
-                                  shard, wkey, dtype=params_dtype, device=device,
-                                  tensor_parallel=True)
-        if bias:
-            # With sequence parallelism each rank sees only its part of the sequence, so the
-            # bias gradient must be all-reduced over tp (gradient finalisation does it).
-            self.bias = _make_param((output_size,), init_zeros(), replicated((output_size,)),
-                                    bkey, dtype=params_dtype, device=device,
-                                    tensor_parallel=False,
-                                    sequence_parallel=sequence_parallel)
-        else:
-            self.register_parameter("bias", None)
+        per = self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
+        self.input_is_parallel = input_is_parallel
+        # The bias is replicated; with sequence parallelism each rank sees only its part of
+        # the sequence, so its gradient is all-reduced over tp (gradient finalisation).
+        self._make_params((output_size, per),
+                          ShardInfo((output_size, input_size), 1, self.tp_rank * per, per),
+                          (output_size,), replicated((output_size,)), bias=bias,
+                          bias_sequence_parallel=sequence_parallel, init_method=init_method,
+                          init_key=init_key, seed_name=seed_name, params_dtype=params_dtype,
+                          device=device)
 
     def forward(self, x):
         if not self.input_is_parallel:
