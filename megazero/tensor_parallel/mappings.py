@@ -24,13 +24,27 @@ import torch
 from megazero.distributed import comm
 
 
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+def _divisible(x: torch.Tensor, dim: int, n: int) -> None:
+    if x.shape[dim] % n != 0:
+        where = "last" if dim == -1 else "first"
+        raise ValueError(f"{where} dimension {x.shape[dim]} is not divisible by tp size {n}")
+
+
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (first or last)."""
     n = comm.group_size(group)
     if n == 1:
         return x
-    if x.shape[-1] % n != 0:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tp size {n}")
-    return x.chunk(n, dim=-1)[comm.group_rank(group)].contiguous()
+    _divisible(x, dim, n)
+    return x.chunk(n, dim=dim)[comm.group_rank(group)].contiguous()
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    return _split(x, group, -1)
+
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    return _split(x, group, 0)
 
 
 def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -41,15 +55,6 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)  # [n, ..., h/n]
     comm.all_gather_into(out, x, group)
     return torch.cat(out.unbind(0), dim=-1)  # [..., h]
-
-
-def _split_first(x: torch.Tensor, group) -> torch.Tensor:
-    n = comm.group_size(group)
-    if n == 1:
-        return x
-    if x.shape[0] % n != 0:
-        raise ValueError(f"first dimension {x.shape[0]} is not divisible by tp size {n}")
-    return x.chunk(n, dim=0)[comm.group_rank(group)].contiguous()
 
 
 def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
@@ -66,8 +71,7 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     n = comm.group_size(group)
     if n == 1:
         return x
-    if x.shape[0] % n != 0:
-        raise ValueError(f"first dimension {x.shape[0]} is not divisible by tp size {n}")
+    _divisible(x, 0, n)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter_into(out, x, group)  # [s/n, ...]
