@@ -4,7 +4,7 @@ Issue 8, item 6. A GPT-2 of a few hundred MB of checkpoint (default: 8 layers, h
 vocabulary 16384, fp32, Adam: model + fp32 main + two moments, about 540 MB) is saved at a
 layout by a fresh set of gloo processes; then, for each case, a fresh set of processes (one
 thread each) builds the model and optimizer at the load layout and times
-``checkpointing.load_checkpoint`` (model, optimizer, scheduler, RNG). Per rank it reports:
+``checkpoint.load_checkpoint`` (model, optimizer, scheduler, RNG). Per rank it reports:
 
 * load time (the slowest rank: ``load_checkpoint`` ends with a barrier);
 * peak RSS (``VmHWM`` of the fresh process: torch, model, optimizer and the load);
@@ -13,11 +13,11 @@ thread each) builds the model and optimizer at the load layout and times
   load touches count in RSS (``RssFile``, reclaimable page cache) as well as copies
   (``RssAnon``); the anon column is the peak of ``RssAnon`` sampled every 2 ms.
 
-Rows "at the saved layout" go through the direct path (``torch.load`` of this rank's files);
-the others through ``reshard.load_resharded`` (memory-mapped ``CheckpointReader``, each rank
-reading only the regions of its own slices). Ratios compare each resharded load with the same
-checkpoint loaded at its saved layout, and with a checkpoint saved at the target layout
-loaded there (the same per-rank share). The last row times the offline converter
+Every row goes through the one load path (``CheckpointReader``, memory-mapped, each rank
+reading only the regions of its own slices); rows "at the saved layout" take the reader's
+special case, a straight copy of each saved slice. Ratios compare each resharded load with
+the same checkpoint loaded at its saved layout, and with a checkpoint saved at the target
+layout loaded there (the same per-rank share). The last row times the offline converter
 (``python -m megazero.tools.checkpoint convert``) in one process. Files stay in the page
 cache between runs (warm reads); timings on a shared machine are noisy (best of
 ``--repeats``).
