@@ -114,13 +114,6 @@ def _params(gen, shapes, dtype=torch.float32, device="cpu"):
     return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
 
 
-@pytest.fixture
-def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_fused_adam_reference_matches_torch(gen, adam_w_mode):
     shapes = [(7,), (3, 5), (129,), ()]
