@@ -1,6 +1,6 @@
 // Kernel bodies of the fused model ops, written once against the Vf interface of
-// vec_{scalar,avx2,avx512}.h and compiled per ISA (see fused_common.h). No include guard:
-// each fused_<isa>.cpp includes this inside its own namespace and target pragma.
+// vec_{scalar,avx2,avx512}.h and compiled once per SIMD level (fused_simd.cpp). No include
+// guard: fused_simd.cpp includes it inside the level's namespace.
 //
 // Layouts (row-major, contiguous): activations [rows, cols]; LayerNorm rows of h elements;
 // softmax [batches, sq, sk] with causal rows (row i keeps columns 0..i). All arithmetic is

@@ -1,6 +1,6 @@
-// 8-lane fp32 vector ops for AVX2 + FMA. Included inside an ISA namespace of a translation
-// unit compiled under `#pragma GCC target("avx2,fma")`; <immintrin.h>, <cstring> and
-// fused_common.h are included before. Partial bf16 loads/stores go through a stack buffer.
+// 8-lane fp32 vector ops for AVX2 + FMA. Included by fused_simd.cpp inside the avx2
+// namespace, compiled with the avx2 flags; <immintrin.h>, <cstring> and fused_common.h are
+// included before. Partial bf16 loads/stores go through a stack buffer.
 
 constexpr int W = 8;
 struct Vf {

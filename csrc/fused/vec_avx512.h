@@ -1,7 +1,8 @@
-// 16-lane fp32 vector ops for AVX-512 (F, BW, VL, DQ). Included inside an ISA namespace of a
-// translation unit compiled under `#pragma GCC target("avx512f,...")`; <immintrin.h> and
-// fused_common.h are included before. With MZ_AVX512_BF16, fp32->bf16 stores use
-// VCVTNEPS2BF16; otherwise round-to-nearest-even in integer ops (same results, NaN -> 0x7fc0).
+// 16-lane fp32 vector ops for AVX-512 (F, BW, VL, DQ). Included by fused_simd.cpp inside the
+// avx512 or avx512bf16 namespace, compiled with that level's flags; <immintrin.h> and
+// fused_common.h are included before. At avx512bf16 (MZ_ISA_BF16_NATIVE), fp32->bf16 stores
+// use VCVTNEPS2BF16; otherwise round-to-nearest-even in integer ops (same results, NaN ->
+// 0x7fc0).
 
 constexpr int W = 16;
 struct Vf {
@@ -30,7 +31,7 @@ static inline Vf vload_part(const bf16_t* p, int n, float fill) {
   return {_mm512_mask_blend_ps(first_n(n), _mm512_set1_ps(fill), v)};
 }
 static inline __m256i to_bf16(__m512 a) {
-#ifdef MZ_AVX512_BF16
+#if defined(MZ_ISA_BF16_NATIVE)
   __m256bh r = _mm512_cvtneps_pbh(a);
   __m256i out;
   __builtin_memcpy(&out, &r, sizeof(out));
