@@ -17,13 +17,7 @@
 #include "megazero/binding.h"
 #include "megazero/cpu_dispatch.h"
 
-namespace py = pybind11;
-namespace bind = megazero::binding;
-using megazero::WorkUnit;
-using megazero::adam::AdamConsts;
-using megazero::adam::AdamKernels;
-using megazero::adam::AdamSpan;
-
+namespace megazero::adam {
 namespace {
 
 const AdamKernels* const kTables[] = MZ_SIMD_TABLES(megazero::adam, kKernels);
@@ -52,26 +46,27 @@ bool adam_update(const std::vector<int64_t>& params, const std::vector<int64_t>&
                  double step_size, double bc2_sqrt, double grad_scale, bool adam_w_mode,
                  bool mask_nonfinite, int num_threads) {
   const size_t n = params.size();
-  bind::check_lengths("adam_update", n, {grads.size(), exp_avgs.size(), exp_avg_sqs.size(),
-                                         sizes.size(), weight_decays.size()});
-  bind::check_dtype(param_dtype, false, "params");
-  bind::check_dtype(grad_dtype, false, "grads");
-  bind::check_copies("adam_update", param_dtype, copy_dtype, copies.size(), n);
+  binding::check_lengths("adam_update", n, {grads.size(), exp_avgs.size(),
+                                            exp_avg_sqs.size(), sizes.size(),
+                                            weight_decays.size()});
+  binding::check_dtype(param_dtype, false, "params");
+  binding::check_dtype(grad_dtype, false, "grads");
+  binding::check_copies("adam_update", param_dtype, copy_dtype, copies.size(), n);
   int64_t total = 0;
   for (int64_t sz : sizes) total += sz;
-  const AdamConsts c{bind::moment_consts(beta1, beta2, eps, grad_scale, mask_nonfinite,
-                                         param_dtype, grad_dtype, copy_dtype),
+  const AdamConsts c{binding::moment_consts(beta1, beta2, eps, grad_scale, mask_nonfinite,
+                                            param_dtype, grad_dtype, copy_dtype),
                      static_cast<float>(step_size), static_cast<float>(bc2_sqrt), adam_w_mode,
                      total * 2 >= stream_min_bytes()};
   std::vector<AdamSpan> spans(n);
   for (size_t k = 0; k < n; ++k) {
-    spans[k] = bind::span_buffers<AdamSpan>(k, params, grads, exp_avgs, exp_avg_sqs, copies);
+    spans[k] = binding::span_buffers<AdamSpan>(k, params, grads, exp_avgs, exp_avg_sqs, copies);
     spans[k].weight_decay = static_cast<float>(weight_decays[k]);
     spans[k].decay = static_cast<float>(1.0 - lr * weight_decays[k]);
   }
-  const std::vector<WorkUnit> units = megazero::make_units(sizes);
-  const AdamKernels& kernels = megazero::active_table(kTables);
-  return bind::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
+  const std::vector<WorkUnit> units = make_units(sizes);
+  const AdamKernels& kernels = active_table(kTables);
+  return binding::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
     return kernels.update(c, spans.data(), units.data(), lo, hi);
   });
 }
@@ -80,23 +75,26 @@ bool adam_update(const std::vector<int64_t>& params, const std::vector<int64_t>&
 // does not depend on the thread count or the SIMD level (fixed block and lane order).
 std::vector<double> sum_squares(const std::vector<int64_t>& ptrs,
                                 const std::vector<int64_t>& sizes, int dtype, int num_threads) {
-  bind::check_lengths("sum_squares", ptrs.size(), {sizes.size()});
-  bind::check_dtype(dtype, false, "sum_squares");
+  binding::check_lengths("sum_squares", ptrs.size(), {sizes.size()});
+  binding::check_dtype(dtype, false, "sum_squares");
   std::vector<const void*> spans(ptrs.size());
-  for (size_t k = 0; k < ptrs.size(); ++k) spans[k] = bind::addr(ptrs[k]);
-  const std::vector<WorkUnit> units = megazero::make_units(sizes);
+  for (size_t k = 0; k < ptrs.size(); ++k) spans[k] = binding::addr(ptrs[k]);
+  const std::vector<WorkUnit> units = make_units(sizes);
   std::vector<double> partial(units.size(), 0.0);
-  const AdamKernels& kernels = megazero::active_table(kTables);
-  bind::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
+  const AdamKernels& kernels = active_table(kTables);
+  binding::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
     kernels.sum_squares(dtype, spans.data(), units.data(), lo, hi, partial.data());
     return false;
   });
-  return bind::sum_by_span(units, partial, ptrs.size());
+  return binding::sum_by_span(units, partial, ptrs.size());
 }
 
 }  // namespace
+}  // namespace megazero::adam
 
 PYBIND11_MODULE(_adam, m) {
+  namespace py = pybind11;
+  using namespace megazero::adam;
   m.doc() = "megazero CPU Adam/AdamW, fused optimizer step and float64 sum of squares";
   m.def("adam_update", &adam_update, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("copies"), py::arg("sizes"), py::arg("weight_decays"),
@@ -108,5 +106,5 @@ PYBIND11_MODULE(_adam, m) {
         py::arg("num_threads"));
   m.def("set_stream_min_bytes", &set_stream_min_bytes, py::arg("bytes"),
         "Copy size from which the bf16/fp16 copy bypasses the caches; returns the previous.");
-  bind::def_simd_functions(m);
+  megazero::binding::def_simd_functions(m);
 }

@@ -18,13 +18,7 @@
 #include "megazero/binding.h"
 #include "megazero/cpu_dispatch.h"
 
-namespace py = pybind11;
-namespace bind = megazero::binding;
-using megazero::WorkUnit;
-using megazero::lamb::LambConsts;
-using megazero::lamb::LambKernels;
-using megazero::lamb::LambSpan;
-
+namespace megazero::lamb {
 namespace {
 
 const LambKernels* const kTables[] = MZ_SIMD_TABLES(megazero::lamb, kKernels);
@@ -37,25 +31,27 @@ std::tuple<std::vector<double>, std::vector<double>, bool> lamb_stage1(
     int param_dtype, int grad_dtype, double beta1, double beta2, double eps, double bc1,
     double bc2, double grad_scale, bool mask_nonfinite, int num_threads) {
   const size_t n = params.size();
-  bind::check_lengths("lamb_stage1", n, {grads.size(), exp_avgs.size(), exp_avg_sqs.size(),
-                                         sizes.size(), weight_decays.size()});
-  bind::check_dtype(param_dtype, false, "params");
-  bind::check_dtype(grad_dtype, false, "grads");
-  const LambConsts c{bind::moment_consts(beta1, beta2, eps, grad_scale, mask_nonfinite,
-                                         param_dtype, grad_dtype, megazero::kNone),
+  binding::check_lengths("lamb_stage1", n, {grads.size(), exp_avgs.size(),
+                                            exp_avg_sqs.size(), sizes.size(),
+                                            weight_decays.size()});
+  binding::check_dtype(param_dtype, false, "params");
+  binding::check_dtype(grad_dtype, false, "grads");
+  const LambConsts c{binding::moment_consts(beta1, beta2, eps, grad_scale, mask_nonfinite,
+                                            param_dtype, grad_dtype, kNone),
                      static_cast<float>(bc1), static_cast<float>(bc2)};
   std::vector<LambSpan> spans(n);
   for (size_t k = 0; k < n; ++k) {
-    spans[k] = bind::span_buffers<LambSpan>(k, params, grads, exp_avgs, exp_avg_sqs, {});
+    spans[k] = binding::span_buffers<LambSpan>(k, params, grads, exp_avgs, exp_avg_sqs, {});
     spans[k].weight_decay = static_cast<float>(weight_decays[k]);
   }
-  const std::vector<WorkUnit> units = megazero::make_units(sizes);
+  const std::vector<WorkUnit> units = make_units(sizes);
   std::vector<double> w_part(units.size(), 0.0), u_part(units.size(), 0.0);
-  const LambKernels& kernels = megazero::active_table(kTables);
-  const bool found = bind::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
+  const LambKernels& kernels = active_table(kTables);
+  const bool found = binding::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
     return kernels.stage1(c, spans.data(), units.data(), lo, hi, w_part.data(), u_part.data());
   });
-  return {bind::sum_by_span(units, w_part, n), bind::sum_by_span(units, u_part, n), found};
+  return {binding::sum_by_span(units, w_part, n), binding::sum_by_span(units, u_part, n),
+          found};
 }
 
 void lamb_stage2(const std::vector<int64_t>& params, const std::vector<int64_t>& exp_avgs,
@@ -65,30 +61,34 @@ void lamb_stage2(const std::vector<int64_t>& params, const std::vector<int64_t>&
                  double beta1, double beta2, double eps, double bc1, double bc2,
                  int num_threads) {
   const size_t n = params.size();
-  bind::check_lengths("lamb_stage2", n, {exp_avgs.size(), exp_avg_sqs.size(), sizes.size(),
-                                         weight_decays.size(), scales.size()});
-  bind::check_dtype(param_dtype, false, "params");
-  bind::check_copies("lamb_stage2", param_dtype, copy_dtype, copies.size(), n);
-  const LambConsts c{bind::moment_consts(beta1, beta2, eps, 1.0, false, param_dtype,
-                                         megazero::kF32, copy_dtype),
+  binding::check_lengths("lamb_stage2", n, {exp_avgs.size(), exp_avg_sqs.size(),
+                                            sizes.size(), weight_decays.size(),
+                                            scales.size()});
+  binding::check_dtype(param_dtype, false, "params");
+  binding::check_copies("lamb_stage2", param_dtype, copy_dtype, copies.size(), n);
+  const LambConsts c{binding::moment_consts(beta1, beta2, eps, 1.0, false, param_dtype, kF32,
+                                            copy_dtype),
                      static_cast<float>(bc1), static_cast<float>(bc2)};
   std::vector<LambSpan> spans(n);
   for (size_t k = 0; k < n; ++k) {
-    spans[k] = bind::span_buffers<LambSpan>(k, params, {}, exp_avgs, exp_avg_sqs, copies);
+    spans[k] = binding::span_buffers<LambSpan>(k, params, {}, exp_avgs, exp_avg_sqs, copies);
     spans[k].weight_decay = static_cast<float>(weight_decays[k]);
     spans[k].scale = static_cast<float>(scales[k]);
   }
-  const std::vector<WorkUnit> units = megazero::make_units(sizes);
-  const LambKernels& kernels = megazero::active_table(kTables);
-  bind::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
+  const std::vector<WorkUnit> units = make_units(sizes);
+  const LambKernels& kernels = active_table(kTables);
+  binding::run_units(units, num_threads, [&](int64_t lo, int64_t hi) {
     kernels.stage2(c, spans.data(), units.data(), lo, hi);
     return false;
   });
 }
 
 }  // namespace
+}  // namespace megazero::lamb
 
 PYBIND11_MODULE(_lamb, m) {
+  namespace py = pybind11;
+  using namespace megazero::lamb;
   m.doc() = "megazero CPU LAMB (two stages: moments + norms, then the trust-ratio update)";
   m.def("lamb_stage1", &lamb_stage1, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("sizes"), py::arg("weight_decays"),
@@ -100,5 +100,5 @@ PYBIND11_MODULE(_lamb, m) {
         py::arg("scales"), py::arg("param_dtype"), py::arg("copy_dtype"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("bc1"), py::arg("bc2"),
         py::arg("num_threads"));
-  bind::def_simd_functions(m);
+  megazero::binding::def_simd_functions(m);
 }
