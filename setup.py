@@ -188,48 +188,58 @@ class SimdObjects:
             depends=ext.depends)
 
 
-class OptionalBuildExt(SimdObjects, build_ext):
-    """Build each extension on its own; a failure is reported, never fatal."""
+def _report(msg):
+    sys.stderr.write(f"megazero: WARNING: {msg}\n")
 
-    def run(self):
-        try:
-            super().run()
-        except Exception as exc:  # noqa: BLE001
-            self._report(f"extension build step failed: {exc}")
+
+class OptionalExtensions(SimdObjects):
+    """build_ext mixin: build each extension on its own; a failure is reported, never fatal,
+    and the extensions that did build are still copied in place (editable installs)."""
+
+    failed: frozenset = frozenset()
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            self._report(f"{ext.name} not built ({type(exc).__name__}: {exc}); "
-                         "the PyTorch reference path will be used")
+            self.failed = self.failed | {ext.name}
+            _report(f"{ext.name} not built ({type(exc).__name__}: {exc}); "
+                    "the PyTorch reference path will be used")
 
-    @staticmethod
-    def _report(msg):
-        sys.stderr.write(f"megazero: WARNING: {msg}\n")
+    def copy_extensions_to_source(self):
+        every = self.extensions
+        self.extensions = [e for e in every if e.name not in self.failed]
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = every
+
+
+class OptionalBuildExt(OptionalExtensions, build_ext):
+    """setuptools' build_ext with SIMD objects and optional extensions."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001
+            _report(f"extension build step failed: {exc}")
 
 
 def make_build_ext(base):
     if base is None:
         return OptionalBuildExt
 
-    class OptionalTorchBuildExt(SimdObjects, base):
+    class OptionalTorchBuildExt(OptionalExtensions, base):
         """torch's BuildExtension (needed for .cu), with every failure reported, not fatal."""
 
         def run(self):
             try:
                 super().run()
             except Exception as exc:  # noqa: BLE001 - e.g. a compiler/CUDA version check
-                OptionalBuildExt._report(f"torch extension builder failed ({exc}); "
-                                         "building the CPU kernels without it")
+                _report(f"torch extension builder failed ({exc}); "
+                        "building the CPU kernels without it")
                 self.extensions = [e for e in self.extensions if not e.name.endswith("_cuda")]
                 build_ext.build_extensions(self)
-
-        def build_extension(self, ext):
-            try:
-                super().build_extension(ext)
-            except Exception as exc:  # noqa: BLE001
-                OptionalBuildExt._report(f"{ext.name} not built ({exc})")
 
     return OptionalTorchBuildExt
 
