@@ -1,8 +1,10 @@
 """Build megazero: the Python package plus optional compiled kernels.
 
 Every folder of ``csrc/`` that holds ``.cpp`` files becomes one plain pybind11 extension,
-``megazero.ops._<folder>`` (no libtorch link, so it survives torch upgrades). Kernels pick
-their SIMD path (AVX-512, AVX2+FMA, scalar) at run time, so one build serves every x86 CPU.
+``megazero.ops._<folder>`` (no libtorch link, so it survives torch upgrades). A folder's
+``*_simd.cpp`` (its vector kernels) is compiled once per SIMD level (SIMD_LEVEL_FLAGS: scalar,
+AVX2+FMA, AVX-512, AVX-512+BF16; scalar only off x86-64) and the level is picked at run time,
+so one build serves every x86 CPU; its other ``.cpp`` files (the bindings) once, baseline ISA.
 
 Environment knobs:
   MEGAZERO_BUILD_OPS=0    build no extension at all (pure PyTorch reference paths are used).
@@ -25,8 +27,22 @@ from pathlib import Path
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
+try:
+    from setuptools.modified import newer_group
+except ImportError:  # setuptools < 69
+    from distutils.dep_util import newer_group
+
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
+
+# Compiler flags of each SIMD level; csrc/include/megazero/simd.h checks them against MZ_ISA.
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
+SIMD_LEVEL_FLAGS = {
+    "scalar": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": _AVX512,
+    "avx512bf16": [*_AVX512, "-mavx512bf16"],
+}
 
 
 def _env_flag(name, default):
@@ -36,44 +52,48 @@ def _env_flag(name, default):
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
+def _kernel_folders():
+    """The folders of csrc/ to build (all, or those named by MEGAZERO_BUILD_ONLY)."""
+    if not CSRC.is_dir():
+        return []
+    only = {v.strip() for v in os.environ.get("MEGAZERO_BUILD_ONLY", "").split(",") if v.strip()}
+    return [p for p in sorted(CSRC.iterdir()) if p.is_dir() and (not only or p.name in only)]
+
+
+def _relative(paths):
+    return sorted(str(p.relative_to(ROOT)) for p in paths)
+
+
 def cpu_extensions():
     from pybind11.setup_helpers import Pybind11Extension
 
-    exts = []
-    if not CSRC.is_dir():
-        return exts
     is_x86 = platform.machine().lower() in ("x86_64", "amd64")
-    only = _build_only()
-    for folder in sorted(p for p in CSRC.iterdir() if p.is_dir()):
-        if only and folder.name not in only:
-            continue
-        sources = sorted(str(s.relative_to(ROOT)) for s in folder.glob("*.cpp"))
+    exts = []
+    for folder in _kernel_folders():
+        simd_sources = _relative(folder.glob("*_simd.cpp"))
+        sources = [s for s in _relative(folder.glob("*.cpp")) if s not in simd_sources]
         if not sources:
             continue
-        compile_args = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+        # No FMA contraction: every SIMD level rounds each + - * / like the PyTorch references.
+        compile_args = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17"]
         if is_x86:
-            # Baseline ISA only; AVX2/AVX-512 paths are compiled per function with
-            # __attribute__((target(...))) and chosen at run time.
+            # Baseline ISA; the *_simd.cpp objects add their level's flags (SIMD_LEVEL_FLAGS).
             compile_args.append("-mtune=generic")
         # headers as dependencies, so editing one rebuilds the extension
-        headers = sorted(str(h.relative_to(ROOT)) for d in (folder, CSRC / "include")
-                         for h in d.rglob("*.h"))
-        exts.append(
-            Pybind11Extension(
-                f"megazero.ops._{folder.name}",
-                sources,
-                depends=headers,
-                include_dirs=[str(CSRC), str(CSRC / "include")],
-                extra_compile_args=compile_args,
-                extra_link_args=["-fopenmp"],
-                cxx_std=17,
-            )
+        headers = _relative(h for d in (folder, CSRC / "include") for h in d.rglob("*.h"))
+        ext = Pybind11Extension(
+            f"megazero.ops._{folder.name}",
+            sources,
+            depends=headers + simd_sources,
+            include_dirs=[str(CSRC), str(CSRC / "include")],
+            extra_compile_args=compile_args,
+            extra_link_args=["-fopenmp"],
+            cxx_std=17,
         )
+        ext.simd_sources = simd_sources
+        ext.simd_levels = list(SIMD_LEVEL_FLAGS) if is_x86 else ["scalar"]
+        exts.append(ext)
     return exts
-
-
-def _build_only():
-    return {v.strip() for v in os.environ.get("MEGAZERO_BUILD_ONLY", "").split(",") if v.strip()}
 
 
 def _nvcc_major(cuda_home):
@@ -130,15 +150,12 @@ def cuda_extensions():
         print(f"megazero: CUDA kernels skipped ({reason})")
         return [], None
 
-    only = _build_only()
     exts = []
-    for folder in sorted(p for p in CSRC.iterdir() if p.is_dir()):
-        if only and folder.name not in only:
-            continue
-        sources = sorted(str(s.relative_to(ROOT)) for s in folder.glob("*.cu"))
+    for folder in _kernel_folders():
+        sources = _relative(folder.glob("*.cu"))
         if not sources:
             continue
-        sources += sorted(str(s.relative_to(ROOT)) for s in folder.glob("*_cuda.cc"))
+        sources += _relative(folder.glob("*_cuda.cc"))
         exts.append(
             CUDAExtension(
                 f"megazero.ops._{folder.name}_cuda",
@@ -150,48 +167,79 @@ def cuda_extensions():
     return exts, BuildExtension
 
 
-class OptionalBuildExt(build_ext):
-    """Build each extension on its own; a failure is reported, never fatal."""
+class SimdObjects:
+    """build_ext mixin: compiles an extension's ``simd_sources`` once per SIMD level (that
+    level's flags and ``-DMZ_ISA=<level>``, one object folder per level) and links them in;
+    a setuptools Extension compiles each source once with one set of flags."""
 
-    def run(self):
-        try:
-            super().run()
-        except Exception as exc:  # noqa: BLE001
-            self._report(f"extension build step failed: {exc}")
+    def build_extension(self, ext):
+        simd_sources = getattr(ext, "simd_sources", [])
+        if simd_sources and (self.force or newer_group(
+                ext.sources + ext.depends, self.get_ext_fullpath(ext.name), "newer")):
+            ext.extra_objects = [obj for level in ext.simd_levels
+                                 for obj in self._compile_level(ext, level)]
+        super().build_extension(ext)
+
+    def _compile_level(self, ext, level):
+        return self.compiler.compile(
+            ext.simd_sources, output_dir=os.path.join(self.build_temp, "simd", level),
+            macros=[*ext.define_macros, ("MZ_ISA", level)], include_dirs=ext.include_dirs,
+            debug=self.debug, extra_postargs=[*ext.extra_compile_args, *SIMD_LEVEL_FLAGS[level]],
+            depends=ext.depends)
+
+
+def _report(msg):
+    sys.stderr.write(f"megazero: WARNING: {msg}\n")
+
+
+class OptionalExtensions(SimdObjects):
+    """build_ext mixin: build each extension on its own; a failure is reported, never fatal,
+    and the extensions that did build are still copied in place (editable installs)."""
+
+    failed: frozenset = frozenset()
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            self._report(f"{ext.name} not built ({type(exc).__name__}: {exc}); "
-                         "the PyTorch reference path will be used")
+            self.failed = self.failed | {ext.name}
+            _report(f"{ext.name} not built ({type(exc).__name__}: {exc}); "
+                    "the PyTorch reference path will be used")
 
-    @staticmethod
-    def _report(msg):
-        sys.stderr.write(f"megazero: WARNING: {msg}\n")
+    def copy_extensions_to_source(self):
+        every = self.extensions
+        self.extensions = [e for e in every if e.name not in self.failed]
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = every
+
+
+class OptionalBuildExt(OptionalExtensions, build_ext):
+    """setuptools' build_ext with SIMD objects and optional extensions."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001
+            _report(f"extension build step failed: {exc}")
 
 
 def make_build_ext(base):
     if base is None:
         return OptionalBuildExt
 
-    class OptionalTorchBuildExt(base):
+    class OptionalTorchBuildExt(OptionalExtensions, base):
         """torch's BuildExtension (needed for .cu), with every failure reported, not fatal."""
 
         def run(self):
             try:
                 super().run()
             except Exception as exc:  # noqa: BLE001 - e.g. a compiler/CUDA version check
-                OptionalBuildExt._report(f"torch extension builder failed ({exc}); "
-                                         "building the CPU kernels without it")
+                _report(f"torch extension builder failed ({exc}); "
+                        "building the CPU kernels without it")
                 self.extensions = [e for e in self.extensions if not e.name.endswith("_cuda")]
                 build_ext.build_extensions(self)
-
-        def build_extension(self, ext):
-            try:
-                super().build_extension(ext)
-            except Exception as exc:  # noqa: BLE001
-                OptionalBuildExt._report(f"{ext.name} not built ({exc})")
 
     return OptionalTorchBuildExt
 

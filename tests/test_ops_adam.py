@@ -1,6 +1,6 @@
 """CPU Adam kernel (megazero.ops._adam) against its PyTorch reference and torch.optim.
 
-Inputs are fresh random tensors each run (the seed is printed on failure). The kernel is
+Inputs are random tensors from a fixed, printed seed per test (tests/conftest.py). The kernel is
 bit-identical to the reference in fp32 at every SIMD level (each level forced in turn);
 100 CPUAdam steps match torch.optim.AdamW/Adam to 1e-6 relative.
 """
@@ -18,13 +18,6 @@ LEVELS = _cpu_ext.supported_simd_levels("adam") or ["none"]
 SHAPES = [(), (0,), (1,), (7,), (15,), (16,), (17,), (33,), (3, 5, 7), (1000,), (4099,)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_kernel = pytest.mark.skipif(LEVELS == ["none"], reason="megazero.ops._adam is not built")
-
-
-@pytest.fixture
-def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def make_case(gen, shapes, pdt, gdt):
@@ -74,18 +67,14 @@ def test_kernel_matches_reference_bitwise(level, gen):
 
 
 @needs_kernel
-def test_kernel_without_bias_correction_and_two_threads(gen):
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        case = make_case(gen, [(200_003,), (70_001,), (5,)], torch.float32, torch.float32)
-        a, b = clone_case(case), clone_case(case)
-        kw = dict(step=7, lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1,
-                  bias_correction=False)
+def test_kernel_without_bias_correction_and_two_threads(gen, torch_threads):
+    case = make_case(gen, [(200_003,), (70_001,), (5,)], torch.float32, torch.float32)
+    a, b = clone_case(case), clone_case(case)
+    kw = dict(step=7, lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1,
+              bias_correction=False)
+    with torch_threads(2):
         adam_update_(*a, **kw)
-        adam_update_reference_(*b, **kw)
-    finally:
-        torch.set_num_threads(old)
+    adam_update_reference_(*b, **kw)
     for part_a, part_b in zip(a, b):
         assert_same(part_a, part_b, "no bias correction, 2 threads")
 
@@ -194,19 +183,14 @@ def test_non_contiguous_param_takes_reference_path(gen):
     assert max_rel(ours[0].detach(), theirs[0].detach()) < 1e-6
 
 
-def test_fallback_when_extension_missing(monkeypatch, gen):
+def test_fallback_when_extension_missing(gen, ops_disabled):
     case = make_case(gen, SHAPES, torch.float32, torch.bfloat16)
     a, b = clone_case(case), clone_case(case)
     kw = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     adam_update_(*a, **kw)
-    monkeypatch.setenv("MEGAZERO_DISABLE_OPS", "adam")
-    _loader.reset_cache()
-    try:
+    with ops_disabled("adam"):
         assert _loader.load_extension("adam") is None
         adam_update_(*b, **kw)
-    finally:
-        monkeypatch.delenv("MEGAZERO_DISABLE_OPS")
-        _loader.reset_cache()
     for part_a, part_b in zip(a, b):
         assert_same(part_a, part_b, "kernel vs fallback")
 
@@ -231,21 +215,17 @@ def test_simd_level_controls(monkeypatch, caplog):
 
 @needs_kernel
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
-def test_one_openmp_runtime_shared_with_torch(gen):
+def test_one_openmp_runtime_shared_with_torch(gen, torch_threads):
     """The extension links libgomp.so.1, the soname torch's bundled copy carries, so one
     OpenMP runtime (one thread pool) serves both; calls interleave with torch's parallel ops."""
-    old = torch.get_num_threads()
-    try:
-        for threads in (2, 1, 2):
-            torch.set_num_threads(threads)
+    for threads in (2, 1, 2):
+        with torch_threads(threads):
             case = make_case(gen, [(100_003,)], torch.float32, torch.float32)
             a, b = clone_case(case), clone_case(case)
             adam_update_(*a, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
             torch.mm(torch.randn(64, 64), torch.randn(64, 64)).sum()  # torch's OpenMP team
             adam_update_reference_(*b, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
             assert_same(a[0], b[0], f"{threads} threads")
-    finally:
-        torch.set_num_threads(old)
     with open("/proc/self/maps", encoding="utf-8") as f:
         gomp = {line.split()[-1] for line in f if "libgomp" in line}
     # Other wheels may bundle their own renamed copy (sentencepiece.libs/libgomp-<hash>.so);

@@ -1,7 +1,8 @@
 """CUDA kernels: every .cu compiles with nvcc (here and wherever nvcc is on PATH, so the CUDA
 sources cannot rot on machines without a GPU); correctness against the PyTorch references
-where a GPU and the built extensions are present; the multi-tensor optimizers' reference
-path (what CPU tensors take) against torch.optim.
+where a GPU and the built extensions are present (the multi-tensor optimizers against the CPU
+ops' references, cpu_adam.adam_update_reference_ and cpu_lamb.lamb_update_reference_); the
+multi-tensor optimizers' fallback path (what CPU tensors take) against torch.optim.
 
 nvcc compiles each .cu alone for sm_90 (they include only CUDA headers) with the flags torch's
 extension builder passes; the torch-facing bindings (*_cuda.cc) are syntax-checked against the
@@ -21,6 +22,8 @@ import torch
 from megazero.ops import cuda_optim
 from megazero.ops import fused_common as fc
 from megazero.ops._loader import load_extension
+from megazero.ops.cpu_adam import adam_update_reference_
+from megazero.ops.cpu_lamb import lamb_update_reference_
 from megazero.ops.fused_layer_norm import fused_layer_norm
 from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax, softmax_eager
 
@@ -114,13 +117,6 @@ def _params(gen, shapes, dtype=torch.float32, device="cpu"):
     return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
 
 
-@pytest.fixture
-def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_fused_adam_reference_matches_torch(gen, adam_w_mode):
     shapes = [(7,), (3, 5), (129,), ()]
@@ -140,21 +136,21 @@ def test_fused_adam_reference_matches_torch(gen, adam_w_mode):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
-def test_fused_lamb_reference_step(gen):
+@pytest.mark.parametrize("lamb", [cuda_optim.multi_tensor_lamb, lamb_update_reference_])
+def test_fused_lamb_reference_step(gen, lamb):
     p = torch.randn(50, generator=gen)
     g = torch.randn(50, generator=gen)
     m, v = torch.zeros(50), torch.zeros(50)
     q = p.clone()
-    cuda_optim.lamb_reference([q], [g], [m], [v], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-6,
-                              weight_decay=0.01, step=1)
+    lamb([q], [g], [m], [v], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, step=1)
     # first step: m_hat = g, v_hat = g^2, so u = g / (|g| + eps) + wd * p
     u = g / (g.abs() + 1e-6) + 0.01 * p
     ratio = min(max(p.norm() / u.norm(), 0.01), 10.0)
     torch.testing.assert_close(q, p - 0.1 * ratio * u)
     # a zero parameter tensor takes ratio 1
     z = torch.zeros(4)
-    cuda_optim.lamb_reference([z], [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)], lr=0.1,
-                              beta1=0.9, beta2=0.999, eps=0.0, weight_decay=0.0, step=1)
+    lamb([z], [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)], lr=0.1, beta1=0.9,
+         beta2=0.999, eps=0.0, weight_decay=0.0, step=1)
     torch.testing.assert_close(z, torch.full((4,), -0.1))
 
 
@@ -216,8 +212,8 @@ def test_cuda_multi_tensor_adam_and_lamb_match_reference(gen, dtype):
     # > 36 tensors and > 320 chunks: several launches, tensors split across launches
     shapes = [(1000,)] * 40 + [(3 * 65536 + 7,)] * 120 + [(0,), (5,)]
     for op, ref_op, kw in [
-        (cuda_optim.multi_tensor_adam, cuda_optim.adam_reference, dict(adam_w_mode=True)),
-        (cuda_optim.multi_tensor_lamb, cuda_optim.lamb_reference, {}),
+        (cuda_optim.multi_tensor_adam, adam_update_reference_, dict(adam_w_mode=True)),
+        (cuda_optim.multi_tensor_lamb, lamb_update_reference_, {}),
     ]:
         params = _params(gen, shapes, dtype, "cuda")
         grads = _params(gen, shapes, dtype, "cuda")

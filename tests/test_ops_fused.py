@@ -1,16 +1,13 @@
 """Fused bias+GELU and bias+dropout+residual-add (megazero.ops._fused) against their PyTorch
 references, at every SIMD level this CPU supports (each forced in turn).
 
-Inputs are fresh random tensors each run (the seed is printed on failure), with odd sizes and
-sizes that are not a multiple of any SIMD width, empty and 0-d tensors. fp32 matches the
+Inputs are random tensors from a fixed, printed seed per test (tests/conftest.py), with odd
+sizes and sizes that are not a multiple of any SIMD width, empty and 0-d tensors. fp32 matches the
 reference to rounding; bf16 (computed in fp32, rounded once) matches the fp32 reference on
 the same inputs within bf16 precision. Gradients are compared with the reference's autograd.
 Dropout masks are a pure function of (seed, index): the kernel's masks equal the PyTorch
 reference's exactly, come from the RNG tracker's stream, and replay under recompute.
 """
-
-import contextlib
-import os
 
 import pytest
 import torch
@@ -33,41 +30,7 @@ needs_ext = pytest.mark.skipif(not LEVELS, reason="megazero.ops._fused is not bu
 # (33, 1031) has > 16384 elements, so the kernels start two threads under two_threads()
 SHAPES = [(1, 1), (3, 7), (5, 17), (2, 3, 33), (4, 100), (33, 1031)]
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(autouse=True)
-def _kernels_at_any_size():
-    """Tiny test shapes still run the kernels (the ops skip them below MIN_NUMEL)."""
-    with fc.force_kernels():
-        yield
-
-
-@pytest.fixture
-def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
-@contextlib.contextmanager
-def two_threads():
-    """Kernels run with two OpenMP threads (per-thread partials, thread split of rows)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-@pytest.fixture
-def disabled_ops():
-    """The compiled fused ops disabled, as if the extension were missing."""
-    os.environ["MEGAZERO_DISABLE_OPS"] = "fused"
-    _loader.reset_cache()
-    yield
-    del os.environ["MEGAZERO_DISABLE_OPS"]
-    _loader.reset_cache()
+pytestmark = pytest.mark.usefixtures("fused_kernels_at_any_size")
 
 
 def leaf(t):
@@ -90,9 +53,9 @@ def check(actual, expected, dtype, what, scale=1.0):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bias_gelu_matches_reference(gen, level, dtype, shape):
+def test_bias_gelu_matches_reference(gen, level, dtype, shape, torch_threads):
     x, b, dy = rnd(gen, shape, dtype, 2.0), rnd(gen, shape[-1:], dtype), rnd(gen, shape, dtype)
-    with fc.forced_simd_level(level), two_threads():
+    with fc.forced_simd_level(level), torch_threads(2):
         xf, bf = leaf(x), leaf(b)
         y = fused_bias_gelu(xf, bf)
         y.backward(dy)
@@ -144,12 +107,13 @@ def test_small_tensors_take_eager_gelu_and_large_the_kernel(gen, monkeypatch):
     assert "FusedBiasGelu" in type(big.grad_fn).__name__
 
 
-def test_bias_gelu_fallback_when_disabled(gen, disabled_ops):
-    assert fc.cpu_extension() is None
+def test_bias_gelu_fallback_when_disabled(gen, ops_disabled):
     x, b = rnd(gen, (5, 19)), rnd(gen, (19,))
-    y = fused_bias_gelu(x, b)
+    with ops_disabled("fused"):
+        assert fc.cpu_extension() is None
+        y = fused_bias_gelu(x, b)
+        assert _loader.status()["fused"]["reason"].startswith("disabled")
     check(y, bias_gelu_reference(x, b), torch.float32, "fallback")
-    assert _loader.status()["fused"]["reason"].startswith("disabled")
 
 
 # ------------------------------------------------------------- bias + dropout + residual add
@@ -157,13 +121,13 @@ def test_bias_gelu_fallback_when_disabled(gen, disabled_ops):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_mask_equals_reference_exactly(gen, level, dtype, p):
+def test_dropout_mask_equals_reference_exactly(gen, level, dtype, p, torch_threads):
     shape = (37, 3, 501)  # rows x cols not a multiple of any vector width, > 16384 elements
     x, bias, res = torch.ones(shape, dtype=dtype), torch.zeros(501, dtype=dtype), torch.zeros(
         shape, dtype=dtype)
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     torch.manual_seed(seed)
-    with fc.forced_simd_level(level), two_threads():
+    with fc.forced_simd_level(level), torch_threads(2):
         out = fused_bias_dropout_add(x, bias, res, p, True)
     torch.manual_seed(seed)
     ref = bias_dropout_add_reference(x, bias, res, p, True)
@@ -176,12 +140,12 @@ def test_dropout_mask_equals_reference_exactly(gen, level, dtype, p):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bias_dropout_add_matches_reference(gen, level, dtype, shape):
+def test_bias_dropout_add_matches_reference(gen, level, dtype, shape, torch_threads):
     x, b, r = rnd(gen, shape, dtype), rnd(gen, shape[-1:], dtype), rnd(gen, shape, dtype)
     dy = rnd(gen, shape, dtype)
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     torch.manual_seed(seed)
-    with fc.forced_simd_level(level), two_threads():
+    with fc.forced_simd_level(level), torch_threads(2):
         xf, bf, rf = leaf(x), leaf(b), leaf(r)
         out = fused_bias_dropout_add(xf, bf, rf, 0.3, True)
         out.backward(dy)
@@ -301,19 +265,14 @@ def test_bias_dropout_add_none_bias_empty_and_0d(gen):
     assert out.item() == 3.0
 
 
-def test_dropout_fallback_same_masks_as_kernel(gen):
+def test_dropout_fallback_same_masks_as_kernel(gen, ops_disabled):
     x, b, r = rnd(gen, (9, 77)), rnd(gen, (77,)), rnd(gen, (9, 77))
     torch.manual_seed(11)
     fused = fused_bias_dropout_add(x, b, r, 0.4, True)
-    os.environ["MEGAZERO_DISABLE_OPS"] = "fused"
-    _loader.reset_cache()
-    try:
+    with ops_disabled("fused"):
         assert fc.cpu_extension() is None
         torch.manual_seed(11)
         fallback = fused_bias_dropout_add(x, b, r, 0.4, True)
-    finally:
-        del os.environ["MEGAZERO_DISABLE_OPS"]
-        _loader.reset_cache()
     check(fallback, fused, torch.float32, "fallback vs kernel")
     assert torch.equal(fallback != r, fused != r)
 

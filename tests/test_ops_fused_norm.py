@@ -1,20 +1,16 @@
 """Fused LayerNorm and scaled upper-triangular masked softmax (megazero.ops._fused) against
 their PyTorch references, at every SIMD level this CPU supports (each forced in turn).
 
-Fresh random inputs each run (seed printed on failure), odd sizes, sizes off the SIMD width,
+Seeded random inputs (fixed seed per test, printed), odd sizes, sizes off the SIMD width,
 empty tensors; fp32 to rounding, bf16 (and bf16 activations with fp32 LayerNorm parameters)
 within bf16 precision of the fp32 reference; gradients against the reference's autograd;
 the PyTorch path when the extension is disabled.
 """
 
-import contextlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.ops import _loader
 from megazero.ops import fused_common as fc
 from megazero.ops.fused_layer_norm import FusedLayerNorm, fused_layer_norm, layer_norm_reference
 from megazero.ops.fused_softmax import (
@@ -26,41 +22,7 @@ from megazero.ops.fused_softmax import (
 LEVELS = fc.supported_simd_levels()
 needs_ext = pytest.mark.skipif(not LEVELS, reason="megazero.ops._fused is not built")
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _kernels_at_any_size():
-    """Tiny test shapes still run the kernels (the ops skip them below MIN_NUMEL)."""
-    with fc.force_kernels():
-        yield
-
-
-@pytest.fixture
-def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
-@contextlib.contextmanager
-def two_threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-@contextlib.contextmanager
-def ops_disabled():
-    os.environ["MEGAZERO_DISABLE_OPS"] = "fused"
-    _loader.reset_cache()
-    try:
-        yield
-    finally:
-        del os.environ["MEGAZERO_DISABLE_OPS"]
-        _loader.reset_cache()
+pytestmark = pytest.mark.usefixtures("fused_kernels_at_any_size")
 
 
 def leaf(t):
@@ -107,10 +69,10 @@ def _ln_reference_grads(x, w, b, dy, eps=1e-5, dtype=F32):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtypes", LN_DTYPES, ids=["fp32", "bf16", "bf16-fp32params"])
 @pytest.mark.parametrize("shape", LN_SHAPES)
-def test_layer_norm_matches_reference(gen, level, dtypes, shape):
+def test_layer_norm_matches_reference(gen, level, dtypes, shape, torch_threads):
     xdt, wdt = dtypes
     x, w, b, dy = _ln_case(gen, shape, xdt, wdt)
-    with fc.forced_simd_level(level), two_threads():
+    with fc.forced_simd_level(level), torch_threads(2):
         xf, wf, bf = leaf(x), leaf(w), leaf(b)
         y = fused_layer_norm(xf, wf, bf, 1e-5)
         y.backward(dy)
@@ -139,7 +101,7 @@ def test_layer_norm_without_affine_and_large_mean(gen, level):
     torch.testing.assert_close(xf.grad.double(), dx, rtol=1e-3, atol=1e-3)
 
 
-def test_fused_layer_norm_module_and_fallback(gen):
+def test_fused_layer_norm_module_and_fallback(gen, ops_disabled):
     ln = FusedLayerNorm(45, eps=1e-6)
     with torch.no_grad():
         ln.weight.copy_(rnd(gen, (45,)))
@@ -148,7 +110,7 @@ def test_fused_layer_norm_module_and_fallback(gen):
     ref.load_state_dict(ln.state_dict())
     x = rnd(gen, (4, 3, 45))
     check(ln(x), ref(x), F32, "module")
-    with ops_disabled():
+    with ops_disabled("fused"):
         assert fc.cpu_extension() is None
         assert torch.equal(ln(x), F.layer_norm(x, (45,), ln.weight, ln.bias, 1e-6))
     assert "45, eps=1e-06" in repr(ln)
@@ -170,9 +132,9 @@ SM_SHAPES = [(1, 1, 1), (3, 5, 5), (2, 17, 17), (4, 33, 33), (2, 3, 9, 9), (6, 1
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("shape", SM_SHAPES)
 @pytest.mark.parametrize("scale", [0.125, 1.0])
-def test_causal_softmax_matches_reference(gen, level, dtype, shape, scale):
+def test_causal_softmax_matches_reference(gen, level, dtype, shape, scale, torch_threads):
     s, dy = rnd(gen, shape, dtype, scale=4.0), rnd(gen, shape, dtype)
-    with fc.forced_simd_level(level), two_threads():
+    with fc.forced_simd_level(level), torch_threads(2):
         sf = leaf(s)
         y = scaled_upper_triang_masked_softmax(sf, scale)
         y.backward(dy)
@@ -187,12 +149,12 @@ def test_causal_softmax_matches_reference(gen, level, dtype, shape, scale):
     assert torch.equal(sf.grad[upper], torch.zeros_like(sf.grad[upper]))
 
 
-def test_causal_softmax_checks_and_fallback(gen):
+def test_causal_softmax_checks_and_fallback(gen, ops_disabled):
     with pytest.raises(ValueError, match="sq == sk"):
         scaled_upper_triang_masked_softmax(torch.zeros(2, 3, 4), 1.0)
     empty = scaled_upper_triang_masked_softmax(torch.zeros(0, 4, 4), 1.0)
     assert empty.shape == (0, 4, 4)
     s = rnd(gen, (3, 21, 21), scale=3.0)
-    with ops_disabled():
+    with ops_disabled("fused"):
         assert torch.equal(scaled_upper_triang_masked_softmax(s, 0.5), softmax_eager(s, 0.5))
     check(softmax_reference(s.to(BF16), 0.5), softmax_eager(s, 0.5), BF16, "bf16 reference")

@@ -1,12 +1,11 @@
 """Fused ZeRO optimizer step and global gradient norm against their PyTorch references.
 
-Fresh random inputs each run (seed printed on failure); every SIMD level forced in turn;
+Seeded random inputs (fixed seed per test, printed); every SIMD level forced in turn;
 the fused step is bit-identical to its reference in fp32 and equals unscale + clip + AdamW +
 cast composed with torch ops to 1e-6.
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -22,13 +21,6 @@ from megazero.ops.fused_step import (
 LEVELS = _cpu_ext.supported_simd_levels("adam") or ["none"]
 needs_kernel = pytest.mark.skipif(LEVELS == ["none"], reason="megazero.ops._adam is not built")
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, adam_w_mode=True)
-
-
-@pytest.fixture
-def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def partition(gen, n, gdt, copy_dtype, grad_scale=1024.0):
@@ -68,18 +60,13 @@ def test_grad_norm_sq_matches_reference(gen):
 
 
 @needs_kernel
-def test_grad_norm_sq_identical_across_levels_and_threads(gen):
+def test_grad_norm_sq_identical_across_levels_and_threads(gen, torch_threads):
     grads = [torch.randn(200_003, generator=gen), torch.randn(999, generator=gen).bfloat16()]
     results = set()
-    old = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for level in LEVELS:
-                with _cpu_ext.forced_simd(level):
-                    results.add(global_grad_norm_sq(grads))
-    finally:
-        torch.set_num_threads(old)
+    for threads in (1, 2):
+        for level in LEVELS:
+            with torch_threads(threads), _cpu_ext.forced_simd(level):
+                results.add(global_grad_norm_sq(grads))
     assert len(results) == 1
     assert results.pop() == pytest.approx(global_grad_norm_sq_reference(grads), rel=1e-12)
 
@@ -186,19 +173,15 @@ def test_fused_step_argument_checks(gen):
         fused_adam_step(parts[0].double(), *parts[1:4], step=1, weight_decay=0.0, **HYPER)
 
 
-def test_fused_step_fallback_when_extension_missing(monkeypatch, gen):
+def test_fused_step_fallback_when_extension_missing(gen, ops_disabled):
     parts = partition(gen, 777, torch.bfloat16, torch.float16)
     a, b = clone(parts), clone(parts)
     kw = dict(step=9, weight_decay=segments_for(777), grad_scale=1e-3, **HYPER)
     fused_adam_step(*a[:4], model_param_out=a[4], **kw)
     norm_a = global_grad_norm_sq([a[1]])
-    monkeypatch.setenv("MEGAZERO_DISABLE_OPS", "all")
-    _loader.reset_cache()
-    try:
+    with ops_disabled("all"):
+        assert _loader.load_extension("adam") is None
         fused_adam_step(*b[:4], model_param_out=b[4], **kw)
         norm_b = global_grad_norm_sq([b[1]])
-    finally:
-        monkeypatch.delenv("MEGAZERO_DISABLE_OPS")
-        _loader.reset_cache()
     assert_same(a, b, "kernel vs fallback")
     assert norm_a == pytest.approx(norm_b, rel=1e-12)

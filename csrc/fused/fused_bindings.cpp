@@ -3,77 +3,27 @@
 //
 // Functions take raw addresses (tensor.data_ptr()) and sizes from the Python faces in
 // megazero/ops/fused_*.py, never torch objects, so the module does not link libtorch. The
-// kernel table is chosen at import from the CPU's features (AVX-512+BF16, AVX-512, AVX2+FMA,
-// scalar); set_simd_level() forces one (tests force every level; MEGAZERO_SIMD is applied
-// by megazero.ops._cpu_ext on load, as for the optimizer extensions).
+// kernel table is chosen per call from the active SIMD level (megazero/cpu_dispatch.h: the
+// best the CPU supports; set_simd_level() forces one, tests force every level, and
+// MEGAZERO_SIMD is applied by megazero.ops._cpu_ext on load, as for the optimizer extensions).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "fused_common.h"
+#include "megazero/binding.h"
+#include "megazero/cpu_dispatch.h"
 
 namespace py = pybind11;
 using namespace megazero_fused;
 
 namespace {
 
-const char* const kLevelNames[] = {"scalar", "avx2", "avx512", "avx512_bf16"};
+const KernelTable* const kTables[] = MZ_SIMD_TABLES(megazero_fused, kTable);
 
-int detect_level() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
-  if (avx512) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return kAvx2;
-#endif
-  return kScalar;
-}
-
-const int g_detected = detect_level();
-int g_active = g_detected;
-
-const KernelTable& table() {
-  switch (g_active) {
-#if defined(__x86_64__) || defined(__i386__)
-    case kAvx512Bf16: return avx512bf16::kTable;
-    case kAvx512: return avx512::kTable;
-    case kAvx2: return avx2::kTable;
-#endif
-    default: return scalar::kTable;
-  }
-}
-
-std::vector<std::string> supported_simd_levels() {
-  return std::vector<std::string>(kLevelNames, kLevelNames + g_detected + 1);
-}
-
-// Same contract as the optimizer extensions: "auto" restores the best level; a level this CPU
-// lacks raises ValueError.
-void set_simd_level(const std::string& name) {
-  if (name == "auto") {
-    g_active = g_detected;
-    return;
-  }
-  for (int i = 0; i < 4; ++i) {
-    if (name != kLevelNames[i]) continue;
-    if (i > g_detected)
-      throw std::invalid_argument("SIMD level '" + name + "' is not supported by this CPU " +
-                                  "(best: " + kLevelNames[g_detected] + ")");
-    g_active = i;
-    return;
-  }
-  throw std::invalid_argument("unknown SIMD level '" + name +
-                              "' (expected auto, scalar, avx2, avx512 or avx512_bf16)");
-}
+const KernelTable& table() { return megazero::active_table(kTables); }
 
 template <class T>
 T* ptr(uintptr_t address) {
@@ -93,12 +43,7 @@ PYBIND11_MODULE(_fused, m) {
   m.doc() = "megazero fused model ops (CPU): raw-pointer kernels with run-time SIMD dispatch";
   auto nogil = py::call_guard<py::gil_scoped_release>();
 
-  m.def("simd_level", [] { return std::string(kLevelNames[g_active]); },
-        "SIMD level in use: scalar, avx2, avx512 or avx512_bf16");
-  m.def("supported_simd_levels", &supported_simd_levels,
-        "SIMD levels this CPU supports, lowest first");
-  m.def("set_simd_level", &set_simd_level, py::arg("name"),
-        "use this SIMD level ('auto': the best); ValueError when the CPU lacks it");
+  megazero::binding::def_simd_functions(m);
 
   m.def(
       "bias_gelu_fwd",

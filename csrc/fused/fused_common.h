@@ -1,13 +1,16 @@
 // Shared declarations of the fused model ops (CPU): dtype codes, the bf16 storage type, the
-// per-ISA kernel table, and the counter-based dropout hash that the Python reference mirrors.
+// per-level kernel table, and the counter-based dropout hash that the Python reference mirrors.
 //
-// Every ISA (scalar, AVX2+FMA, AVX-512, AVX-512 with BF16 instructions) compiles the same
-// kernel bodies (fused_kernels_impl.h) in its own translation unit and namespace under
-// `#pragma GCC target`, and fills one KernelTable; fused_bindings.cpp picks the table at run
-// time from __builtin_cpu_supports. Kernels take raw pointers and sizes only (no libtorch).
+// Every SIMD level (scalar, AVX2+FMA, AVX-512, AVX-512 with BF16 instructions) compiles the
+// same kernel bodies (fused_kernels_impl.h) from fused_simd.cpp in its own object and
+// namespace, and fills one KernelTable; fused_bindings.cpp picks the table at run time from
+// the CPU's features (megazero/cpu_dispatch.h). Kernels take raw pointers and sizes only (no
+// libtorch).
 #pragma once
 
 #include <cstdint>
+
+#include "megazero/simd.h"
 
 namespace megazero_fused {
 
@@ -19,9 +22,6 @@ struct bf16_t {
   uint16_t bits;
 };
 
-// SIMD levels, ordered: a higher level implies every lower one.
-enum SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-
 // Dropout hash (lowbias32 by C. Wellons): a bijection on 32-bit words with good avalanche.
 // The mask bit of flat element i under `seed` is
 //   key  = mix(mix(seed_hi ^ hi32(i)) ^ seed_lo)
@@ -30,7 +30,8 @@ enum SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 constexpr uint32_t kMixMul1 = 0x7feb352du;
 constexpr uint32_t kMixMul2 = 0x846ca68bu;
 
-inline uint32_t mix32(uint32_t x) {
+// static: each SIMD level's object keeps its own copy (see megazero/simd.h).
+static inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= kMixMul1;
   x ^= x >> 15;
@@ -39,7 +40,7 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-inline uint32_t dropout_key(uint64_t seed, uint32_t hi) {
+static inline uint32_t dropout_key(uint64_t seed, uint32_t hi) {
   return mix32(mix32(static_cast<uint32_t>(seed >> 32) ^ hi) ^ static_cast<uint32_t>(seed));
 }
 
@@ -78,9 +79,6 @@ struct KernelTable {
                       int64_t sk, float scale, int dt, int nthreads);
 };
 
-namespace scalar { extern const KernelTable kTable; }
-namespace avx2 { extern const KernelTable kTable; }
-namespace avx512 { extern const KernelTable kTable; }
-namespace avx512bf16 { extern const KernelTable kTable; }
+MZ_DECLARE_SIMD_TABLES(KernelTable, kTable)
 
 }  // namespace megazero_fused

@@ -1,11 +1,31 @@
 // Kernel bodies of the fused model ops, written once against the Vf interface of
-// vec_{scalar,avx2,avx512}.h and compiled per ISA (see fused_common.h). No include guard:
-// each fused_<isa>.cpp includes this inside its own namespace and target pragma.
+// vec_{scalar,avx2,avx512}.h and compiled once per SIMD level (fused_simd.cpp). No include
+// guard: fused_simd.cpp includes it inside the level's namespace.
 //
 // Layouts (row-major, contiguous): activations [rows, cols]; LayerNorm rows of h elements;
 // softmax [batches, sq, sk] with causal rows (row i keeps columns 0..i). All arithmetic is
 // fp32 whatever the storage dtype; reductions over rows (dbias, dgamma, dbeta) use one fp32
 // partial per thread in `scratch`, summed in thread order (deterministic for a thread count).
+
+#if !defined(MZ_ISA_SCALAR)
+// exp(x) of the vector levels (the scalar level's vec_scalar.h calls std::exp): Cephes
+// polynomial on [-ln2/2, ln2/2], about 1 ulp, inputs clamped to [-87.34, 88.38]; vround and
+// vscale2n (p * 2^n) come from vec_<level>.h.
+static inline Vf vexp(Vf x) {
+  Vf t = vmin(vmax(x, vset1(-87.33654f)), vset1(88.37626f));
+  Vf n = vround(t * vset1(1.44269504088896341f));
+  Vf r = vfnma(n, vset1(0.693359375f), t);
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  Vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, r * r, r + vset1(1.0f));
+  return vscale2n(p, n);
+}
+#endif
 
 // GPT-2's tanh GELU, 0.5*y*(1+tanh(k0*y*(1+k1*y^2))), written as y*sigmoid(z) with
 // z = 2*k0*y*(1+k1*y^2), which is the same function.
@@ -26,10 +46,28 @@ static inline Vf gelu_grad(Vf y) {
   return vfma(y * s * (vset1(1.0f) - s), dz, s);
 }
 
+// Elements [c, c + W) of a row of h (those past h read as `fill`, and not written).
+template <class T>
+static inline Vf load_n(const T* p, int64_t c, int64_t h, float fill) {
+  return c + W <= h ? vload(p + c) : vload_part(p + c, static_cast<int>(h - c), fill);
+}
+template <class T>
+static inline void store_n(T* p, int64_t c, int64_t h, Vf v) {
+  if (c + W <= h) vstore(p + c, v); else vstore_part(p + c, v, static_cast<int>(h - c));
+}
+
 // Threads worth starting for `work` elements (OpenMP start-up costs a few microseconds).
 static inline int team_size(int64_t work, int nthreads) {
   int64_t useful = work / 16384 + 1;
   return static_cast<int>(useful < nthreads ? useful : nthreads);
+}
+
+// This thread's fp32 partial of a sum over rows (`cols` wide, in scratch [nthreads, cols]),
+// zeroed; nullptr when the sum is not wanted. Inside a parallel region.
+static inline float* thread_partial(float* scratch, bool wanted, int64_t cols) {
+  float* acc = wanted ? scratch + omp_get_thread_num() * cols : nullptr;
+  if (acc) std::memset(acc, 0, sizeof(float) * cols);
+  return acc;
 }
 
 // Sum the per-thread fp32 partials [nparts, cols] into out (dtype T); inside a parallel region.
@@ -76,25 +114,18 @@ static void bias_gelu_bwd_t(const T* dy, const T* x, const T* bias, T* dx, T* db
                             float* scratch, int64_t rows, int64_t cols, int nthreads) {
 #pragma omp parallel num_threads(team_size(rows * cols, nthreads))
   {
-    float* acc = bias ? scratch + omp_get_thread_num() * cols : nullptr;
-    if (acc) std::memset(acc, 0, sizeof(float) * cols);
+    float* acc = thread_partial(scratch, bias != nullptr, cols);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const T* xr = x + r * cols;
       const T* dyr = dy + r * cols;
       T* dxr = dx + r * cols;
       for (int64_t c = 0; c < cols; c += W) {
-        int n = static_cast<int>(cols - c < W ? cols - c : W);
-        Vf v = n == W ? vload(xr + c) : vload_part(xr + c, n, 0.0f);
-        if (bias) v = v + (n == W ? vload(bias + c) : vload_part(bias + c, n, 0.0f));
-        Vf g = (n == W ? vload(dyr + c) : vload_part(dyr + c, n, 0.0f)) * gelu_grad(v);
-        if (n == W) {
-          vstore(dxr + c, g);
-          if (acc) vstore(acc + c, vload(acc + c) + g);
-        } else {
-          vstore_part(dxr + c, g, n);
-          if (acc) vstore_part(acc + c, vload_part(acc + c, n, 0.0f) + g, n);
-        }
+        Vf v = load_n(xr, c, cols, 0.0f);
+        if (bias) v = v + load_n(bias, c, cols, 0.0f);
+        Vf g = load_n(dyr, c, cols, 0.0f) * gelu_grad(v);
+        store_n(dxr, c, cols, g);
+        if (acc) store_n(acc, c, cols, load_n(acc, c, cols, 0.0f) + g);
       }
     }
     if (bias) reduce_partials(scratch, omp_get_num_threads(), cols, dbias);
@@ -131,13 +162,12 @@ static void bias_dropout_add_fwd_t(const T* x, const T* bias, const T* res, T* o
     const T* rr = res + r * cols;
     T* outr = out + r * cols;
     for (int64_t c = 0; c < cols; c += W) {
-      int n = static_cast<int>(cols - c < W ? cols - c : W);
-      Vf v = n == W ? vload(xr + c) : vload_part(xr + c, n, 0.0f);
-      if (bias) v = v + (n == W ? vload(bias + c) : vload_part(bias + c, n, 0.0f));
-      Vf base = n == W ? vload(rr + c) : vload_part(rr + c, n, 0.0f);
+      Vf v = load_n(xr, c, cols, 0.0f);
+      if (bias) v = v + load_n(bias, c, cols, 0.0f);
+      Vf base = load_n(rr, c, cols, 0.0f);
       Vf o = d.enabled ? vfma(v, dropout_mult(d.offset + r * cols + c, d, key_hi, key), base)
                        : v + base;
-      if (n == W) vstore(outr + c, o); else vstore_part(outr + c, o, n);
+      store_n(outr, c, cols, o);
     }
   }
 }
@@ -148,25 +178,18 @@ static void bias_dropout_add_bwd_t(const T* dy, T* dx, T* dbias, float* scratch,
                                    int64_t cols, DropoutArgs d, int nthreads) {
 #pragma omp parallel num_threads(team_size(rows * cols, nthreads))
   {
-    float* acc = dbias ? scratch + omp_get_thread_num() * cols : nullptr;
-    if (acc) std::memset(acc, 0, sizeof(float) * cols);
+    float* acc = thread_partial(scratch, dbias != nullptr, cols);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       uint32_t key_hi = static_cast<uint32_t>(d.offset >> 32);
-    uint32_t key = dropout_key(d.seed, key_hi);
+      uint32_t key = dropout_key(d.seed, key_hi);
       const T* dyr = dy + r * cols;
       T* dxr = dx + r * cols;
       for (int64_t c = 0; c < cols; c += W) {
-        int n = static_cast<int>(cols - c < W ? cols - c : W);
-        Vf g = n == W ? vload(dyr + c) : vload_part(dyr + c, n, 0.0f);
+        Vf g = load_n(dyr, c, cols, 0.0f);
         if (d.enabled) g = g * dropout_mult(d.offset + r * cols + c, d, key_hi, key);
-        if (n == W) {
-          vstore(dxr + c, g);
-          if (acc) vstore(acc + c, vload(acc + c) + g);
-        } else {
-          vstore_part(dxr + c, g, n);
-          if (acc) vstore_part(acc + c, vload_part(acc + c, n, 0.0f) + g, n);
-        }
+        store_n(dxr, c, cols, g);
+        if (acc) store_n(acc, c, cols, load_n(acc, c, cols, 0.0f) + g);
       }
     }
     if (dbias) reduce_partials(scratch, omp_get_num_threads(), cols, dbias);

@@ -3,15 +3,6 @@
 // guard for the same reason). Same conventions: fp32 arithmetic, deterministic reductions.
 
 // ------------------------------------------------------------------------------ LayerNorm
-template <class T>
-static inline Vf load_n(const T* p, int64_t c, int64_t h, float fill) {
-  return c + W <= h ? vload(p + c) : vload_part(p + c, static_cast<int>(h - c), fill);
-}
-template <class T>
-static inline void store_n(T* p, int64_t c, int64_t h, Vf v) {
-  if (c + W <= h) vstore(p + c, v); else vstore_part(p + c, v, static_cast<int>(h - c));
-}
-
 static inline float first_value(const float* p) { return *p; }
 static inline float first_value(const bf16_t* p) {
   const uint32_t bits = static_cast<uint32_t>(p->bits) << 16;
@@ -74,9 +65,8 @@ static void layer_norm_bwd_t(const T* dy, const T* x, const float* mean, const f
   const bool grads = dw != nullptr;
 #pragma omp parallel num_threads(team_size(rows * h, nthreads))
   {
-    float* acc_w = grads ? scratch + omp_get_thread_num() * 2 * h : nullptr;
+    float* acc_w = thread_partial(scratch, grads, 2 * h);
     float* acc_b = grads ? acc_w + h : nullptr;
-    if (grads) std::memset(acc_w, 0, sizeof(float) * 2 * h);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       const T* xr = x + r * h;

@@ -14,13 +14,22 @@ namespace {
 
 constexpr int kRowsPerBlock = 4;
 
+// This warp's row of [rows = batches * sq, sk] and its unmasked column count n (row % sq + 1,
+// at most sk); false for a warp past the last row.
+__device__ __forceinline__ bool causal_row(int64_t rows, int sq, int sk, int64_t* row, int* n) {
+  *row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (*row >= rows) return false;
+  *n = min(static_cast<int>(*row % sq) + 1, sk);
+  return true;
+}
+
 template <class T, int ITEMS>
 __global__ void softmax_fwd_reg_kernel(const T* __restrict__ x, T* __restrict__ y,
                                        int64_t rows, int sq, int sk, float scale) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= rows) return;
+  int64_t row;
+  int n;
+  if (!causal_row(rows, sq, sk, &row, &n)) return;
   const int lane = threadIdx.x;
-  const int n = min(static_cast<int>(row % sq) + 1, sk);
   const T* xr = x + row * sk;
   float v[ITEMS];
   float mx = -CUDART_INF_F;
@@ -50,10 +59,10 @@ __global__ void softmax_fwd_reg_kernel(const T* __restrict__ x, T* __restrict__ 
 template <class T>
 __global__ void softmax_fwd_loop_kernel(const T* __restrict__ x, T* __restrict__ y,
                                         int64_t rows, int sq, int sk, float scale) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= rows) return;
+  int64_t row;
+  int n;
+  if (!causal_row(rows, sq, sk, &row, &n)) return;
   const int lane = threadIdx.x;
-  const int n = min(static_cast<int>(row % sq) + 1, sk);
   const T* xr = x + row * sk;
   float mx = -CUDART_INF_F;
   for (int c = lane; c < n; c += 32) mx = fmaxf(mx, to_f32(xr[c]) * scale);
@@ -70,10 +79,10 @@ template <class T>
 __global__ void softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y,
                                    T* __restrict__ dx, int64_t rows, int sq, int sk,
                                    float scale) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= rows) return;
+  int64_t row;
+  int n;
+  if (!causal_row(rows, sq, sk, &row, &n)) return;
   const int lane = threadIdx.x;
-  const int n = min(static_cast<int>(row % sq) + 1, sk);
   const T* dyr = dy + row * sk;
   const T* yr = y + row * sk;
   float dot = 0.f;

@@ -1,6 +1,6 @@
-// 8-lane fp32 vector ops for AVX2 + FMA. Included inside an ISA namespace of a translation
-// unit compiled under `#pragma GCC target("avx2,fma")`; <immintrin.h>, <cstring> and
-// fused_common.h are included before. Partial bf16 loads/stores go through a stack buffer.
+// 8-lane fp32 vector ops for AVX2 + FMA. Included by fused_simd.cpp inside the avx2
+// namespace, compiled with the avx2 flags; <immintrin.h>, <cstring> and fused_common.h are
+// included before. Partial bf16 loads/stores go through a stack buffer.
 
 constexpr int W = 8;
 struct Vf {
@@ -73,29 +73,20 @@ static inline float vhmax(Vf a) {
   return _mm_cvtss_f32(s);
 }
 
-// exp(x), same polynomial as the AVX-512 path; 2^n built in the exponent bits.
-static inline Vf vexp(Vf x) {
-  __m256 t = _mm256_min_ps(_mm256_max_ps(x.v, _mm256_set1_ps(-87.33654f)),
-                           _mm256_set1_ps(88.37626f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // n in [-127, 128]: split 2^n = 2^(n/2) * 2^(n - n/2) so both factors are normal floats.
-  __m256i ni = _mm256_cvtps_epi32(n);
+// Round to the nearest integer (ties to even), and p * 2^n for integral n in [-127, 128]
+// (vexp in fused_kernels_impl.h); 2^n is built in the exponent bits, split as
+// 2^(n/2) * 2^(n - n/2) so both factors are normal floats.
+static inline Vf vround(Vf x) {
+  return {_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+static inline Vf vscale2n(Vf p, Vf n) {
+  __m256i ni = _mm256_cvtps_epi32(n.v);
   __m256i n1 = _mm256_srai_epi32(ni, 1);
   __m256i n2 = _mm256_sub_epi32(ni, n1);
   const __m256i bias = _mm256_set1_epi32(127);
   __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
   __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-  return {_mm256_mul_ps(_mm256_mul_ps(p, s1), s2)};
+  return {_mm256_mul_ps(_mm256_mul_ps(p.v, s1), s2)};
 }
 
 static inline __m256i vmix(__m256i x) {

@@ -1,7 +1,8 @@
-// 16-lane fp32 vector ops for AVX-512 (F, BW, VL, DQ). Included inside an ISA namespace of a
-// translation unit compiled under `#pragma GCC target("avx512f,...")`; <immintrin.h> and
-// fused_common.h are included before. With MZ_AVX512_BF16, fp32->bf16 stores use
-// VCVTNEPS2BF16; otherwise round-to-nearest-even in integer ops (same results, NaN -> 0x7fc0).
+// 16-lane fp32 vector ops for AVX-512 (F, BW, VL, DQ). Included by fused_simd.cpp inside the
+// avx512 or avx512bf16 namespace, compiled with that level's flags; <immintrin.h> and
+// fused_common.h are included before. At avx512bf16 (MZ_ISA_BF16_NATIVE), fp32->bf16 stores
+// use VCVTNEPS2BF16; otherwise round-to-nearest-even in integer ops (same results, NaN ->
+// 0x7fc0).
 
 constexpr int W = 16;
 struct Vf {
@@ -30,7 +31,7 @@ static inline Vf vload_part(const bf16_t* p, int n, float fill) {
   return {_mm512_mask_blend_ps(first_n(n), _mm512_set1_ps(fill), v)};
 }
 static inline __m256i to_bf16(__m512 a) {
-#ifdef MZ_AVX512_BF16
+#if defined(MZ_ISA_BF16_NATIVE)
   __m256bh r = _mm512_cvtneps_pbh(a);
   __m256i out;
   __builtin_memcpy(&out, &r, sizeof(out));
@@ -69,23 +70,11 @@ static inline float vhmax(Vf a) { return _mm512_reduce_max_ps(a.v); }
 // Lanes [0, n) of a, the others of b.
 static inline Vf vfirst(Vf a, int n, Vf b) { return {_mm512_mask_blend_ps(first_n(n), b.v, a.v)}; }
 
-// exp(x), Cephes polynomial on [-ln2/2, ln2/2]; about 1 ulp, inputs clamped to +-88.
-static inline Vf vexp(Vf x) {
-  __m512 t = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.33654f)),
-                           _mm512_set1_ps(88.37626f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return {_mm512_scalef_ps(p, n)};
+// Round to the nearest integer (ties to even), and p * 2^n (vexp in fused_kernels_impl.h).
+static inline Vf vround(Vf x) {
+  return {_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
+static inline Vf vscale2n(Vf p, Vf n) { return {_mm512_scalef_ps(p.v, n.v)}; }
 
 // Dropout multipliers for flat indices whose low words are lo0 .. lo0+W-1 (no 2^32 wrap):
 // `scale` where mix(mix(lo ^ key)) >= threshold, else 0.

@@ -1,5 +1,6 @@
 // One-lane "vector" ops: the portable fallback, same interface as vec_avx2.h / vec_avx512.h.
-// Included inside the scalar namespace; <cmath>, <cstring> and fused_common.h come before.
+// Included by fused_simd.cpp inside the scalar namespace; <cmath>, <cstring> and
+// fused_common.h come before.
 
 constexpr int W = 1;
 struct Vf {

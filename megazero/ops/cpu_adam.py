@@ -21,6 +21,9 @@ does the reference (one exception: at the avx512_bf16 level, bf16 stores flush f
 denormals, |x| < 2^-126, to zero). torch.optim.Adam/AdamW differ in the last bit here and
 there (lerp for m, a sqrt that is not correctly rounded); 100 steps agree to ~1e-7 relative.
 
+The CUDA multi-tensor kernel (``FusedAdam``, megazero/ops/cuda_optim.py) computes the same
+formula with fp32 fast math, so ``adam_update_reference_`` is its reference too.
+
 Dtypes: parameters fp32, bf16 or fp16, updated in their own dtype (computed in fp32, rounded
 to nearest even on store); gradients fp32/bf16/fp16; moments always fp32. There is no fp32
 master copy for low-precision parameters (keep one yourself, or use the fused step).
@@ -35,6 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from megazero.ops import _cpu_ext as cx
+from megazero.ops._optim_base import BucketedOptimizer
 from megazero.ops.registry import register_op
 
 logger = logging.getLogger(__name__)
@@ -168,7 +172,7 @@ def adam_update_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, be
     return found
 
 
-class CPUAdam(torch.optim.Optimizer):
+class CPUAdam(BucketedOptimizer):
     """Adam/AdamW for CPU tensors, stepping them in place with megazero's kernel.
 
     Same hyperparameters as DeepSpeedCPUAdam; ``adam_w_mode=True`` is AdamW (decoupled weight
@@ -177,6 +181,8 @@ class CPUAdam(torch.optim.Optimizer):
     load both ways; the moments stay fp32 whatever the parameter dtype. Parameters must be
     CPU tensors; non-contiguous ones take the (slower) reference path.
     """
+
+    cpu_only = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adam_w_mode: bool = True,
@@ -204,31 +210,15 @@ class CPUAdam(torch.optim.Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
 
-    def load_state_dict(self, state_dict) -> None:
-        """torch's loader casts moments to the parameter dtype; keep them fp32 instead."""
-        super().load_state_dict(state_dict)
-        cx.restore_fp32_moments(self, state_dict)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["amsgrad"] or group["maximize"]:
-                raise ValueError("CPUAdam has no amsgrad or maximize option; use "
-                                 "torch.optim.AdamW(amsgrad=..., maximize=...) for those")
-            buckets = cx.params_by_step(self, group, "CPUAdam")
-            beta1, beta2 = group["betas"]
-            for (step, _, _), ps in buckets.items():
-                adam_update_(
-                    ps, [p.grad for p in ps], [self.state[p]["exp_avg"] for p in ps],
-                    [self.state[p]["exp_avg_sq"] for p in ps], step=step, lr=float(group["lr"]),
-                    beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
-                    bias_correction=group["bias_correction"])
-        return loss
+    def _update(self, group, step, params):
+        if group["amsgrad"] or group["maximize"]:
+            raise ValueError("CPUAdam has no amsgrad or maximize option; use "
+                             "torch.optim.AdamW(amsgrad=..., maximize=...) for those")
+        beta1, beta2 = group["betas"]
+        adam_update_(params, [p.grad for p in params], *self.moments(params), step=step,
+                     lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
+                     bias_correction=group["bias_correction"])
 
 
 register_op("cpu_adam", "adam", "CPU Adam/AdamW step (megazero.ops.CPUAdam)",

@@ -23,6 +23,9 @@ p and u; stage 2 (``lamb_stage2_``) recomputes u from the stored moments and app
 trust ratio. Memory traffic: 24 + 16 bytes per fp32 parameter (Adam: 28). For ZeRO the two
 stages take (start, end, weight_decay) segments of a flat partition; the caller adds the
 per-segment sums of each parameter over the data-parallel ranks before ``lamb_trust_ratios``.
+``lamb_update_`` runs the whole step (stage 1, ratios, stage 2); its reference
+``lamb_update_reference_`` is also the reference of the CUDA kernels (``FusedLamb``,
+megazero/ops/cuda_optim.py), which compute the same formula with fp32 fast math.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ from collections.abc import Sequence
 import torch
 
 from megazero.ops import _cpu_ext as cx
+from megazero.ops._optim_base import BucketedOptimizer
 from megazero.ops.cpu_adam import sqrt_f32
 from megazero.ops.registry import register_op
 
 __all__ = [
     "CPULamb", "fused_lamb_stage1", "fused_lamb_stage1_reference", "fused_lamb_stage2",
     "fused_lamb_stage2_reference", "lamb_stage1_", "lamb_stage1_reference_", "lamb_stage2_",
-    "lamb_stage2_reference_", "lamb_trust_ratio", "lamb_trust_ratios",
+    "lamb_stage2_reference_", "lamb_trust_ratio", "lamb_trust_ratios", "lamb_update_",
+    "lamb_update_reference_",
 ]
 
 
@@ -204,6 +209,29 @@ def lamb_stage2_reference_(params, exp_avgs, exp_avg_sqs, *, step, lr, beta1, be
             copies[k].copy_(p1)
 
 
+def lamb_update_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float | Sequence[float] = 0.0,
+                 bias_correction: bool = True, grad_scale: float = 1.0,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01,
+                 reference: bool = False) -> list[float]:
+    """One LAMB step over lists of tensors, in place: stage 1, each tensor's trust ratio
+    (``lamb_trust_ratio``), stage 2. Returns the ratios. ``reference=True`` runs the PyTorch
+    references of the stages instead of the kernel."""
+    stage1 = lamb_stage1_reference_ if reference else lamb_stage1_
+    stage2 = lamb_stage2_reference_ if reference else lamb_stage2_
+    common = dict(step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                  bias_correction=bias_correction)
+    w_sq, u_sq, _ = stage1(params, grads, exp_avgs, exp_avg_sqs, grad_scale=grad_scale, **common)
+    ratios = [lamb_trust_ratio(w, u, min_coeff, max_coeff) for w, u in zip(w_sq, u_sq)]
+    stage2(params, exp_avgs, exp_avg_sqs, lr=float(lr), trust_ratios=ratios, **common)
+    return ratios
+
+
+def lamb_update_reference_(*args, **kwargs) -> list[float]:
+    """PyTorch reference of ``lamb_update_``."""
+    return lamb_update_(*args, reference=True, **kwargs)
+
+
 # ---- ZeRO partition variant -------------------------------------------------------------
 
 def _segment_views(t, segments):
@@ -260,13 +288,15 @@ def fused_lamb_stage2_reference(*args, **kwargs) -> None:
     fused_lamb_stage2(*args, reference=True, **kwargs)
 
 
-class CPULamb(torch.optim.Optimizer):
+class CPULamb(BucketedOptimizer):
     """LAMB for CPU tensors (formula in the module doc), stepping them in place.
 
     Hyperparameters as DeepSpeed's FusedLamb (without eps_inside_sqrt / max_grad_norm).
     ``state_dict()`` has torch.optim.Adam's layout (state[i] = {"step", "exp_avg",
     "exp_avg_sq"}, fp32 moments). ``get_lamb_coeffs()``: last step's trust ratios.
     """
+
+    cpu_only = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
@@ -289,35 +319,20 @@ class CPULamb(torch.optim.Optimizer):
             for key in ("bias_correction", "max_coeff", "min_coeff"):
                 group.setdefault(key, self.defaults[key])
 
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        cx.restore_fp32_moments(self, state_dict)
-
     def get_lamb_coeffs(self) -> list[float]:
         return list(self._lamb_coeffs)
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         self._lamb_coeffs = []
-        for group in self.param_groups:
-            buckets = cx.params_by_step(self, group, "CPULamb")
-            beta1, beta2 = group["betas"]
-            for (step, _, _), ps in buckets.items():
-                ms = [self.state[p]["exp_avg"] for p in ps]
-                vs = [self.state[p]["exp_avg_sq"] for p in ps]
-                common = dict(step=step, beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"],
-                              bias_correction=group["bias_correction"])
-                w_sq, u_sq, _ = lamb_stage1_(ps, [p.grad for p in ps], ms, vs, **common)
-                ratios = [lamb_trust_ratio(w, u, group["min_coeff"], group["max_coeff"])
-                          for w, u in zip(w_sq, u_sq)]
-                lamb_stage2_(ps, ms, vs, lr=float(group["lr"]), trust_ratios=ratios, **common)
-                self._lamb_coeffs.extend(ratios)
-        return loss
+        return super().step(closure)
+
+    def _update(self, group, step, params):
+        beta1, beta2 = group["betas"]
+        self._lamb_coeffs += lamb_update_(
+            params, [p.grad for p in params], *self.moments(params), step=step, lr=group["lr"],
+            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"], max_coeff=group["max_coeff"],
+            min_coeff=group["min_coeff"])
 
 
 register_op("cpu_lamb", "lamb", "CPU LAMB step (megazero.ops.CPULamb)",

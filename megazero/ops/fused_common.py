@@ -79,30 +79,20 @@ def address(t: torch.Tensor | None) -> int:
 
 def simd_level() -> str | None:
     """SIMD level the CPU kernels use now, or None when the extension is missing."""
-    ext = cpu_extension()
-    return None if ext is None else ext.simd_level()
+    return _cpu_ext.simd_level(CPU_EXTENSION)
 
 
 def supported_simd_levels() -> list[str]:
     """SIMD levels the CPU kernels can run here, lowest first ([] when not built)."""
-    ext = cpu_extension()
-    return [] if ext is None else list(ext.supported_simd_levels())
+    return _cpu_ext.supported_simd_levels(CPU_EXTENSION)
 
 
 @contextlib.contextmanager
 def forced_simd_level(level: str):
     """Run the block with the CPU kernels at ``level`` (``scalar``, ``avx2``, ``avx512``,
     ``avx512_bf16``; ValueError when the CPU lacks it); the previous level is restored."""
-    ext = cpu_extension()
-    if ext is None:
+    with _cpu_ext.forced_simd(level, (CPU_EXTENSION,)):
         yield
-        return
-    previous = ext.simd_level()
-    try:
-        ext.set_simd_level(level)
-        yield
-    finally:
-        ext.set_simd_level(previous)
 
 
 def rows_cols(x: torch.Tensor) -> tuple[int, int]:

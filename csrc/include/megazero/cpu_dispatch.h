@@ -1,13 +1,15 @@
-// Run-time side of megazero's CPU optimizer kernels: which SIMD level the CPU supports, which
-// one is in use (forcible for tests), how a call's elements are cut into work units, and the
-// OpenMP driver that gives each thread a contiguous, equally sized run of units.
+// Run-time side of megazero's CPU kernels: which SIMD level the CPU supports, which one is in
+// use (forcible for tests) and so which kernel table runs, how an optimizer call's elements
+// are cut into work units, and the OpenMP driver that gives each thread a contiguous, equally
+// sized run of units.
 //
-// Include only from the binding translation unit, which is compiled for the baseline ISA:
-// the inline functions here must not be compiled under an AVX target (the linker could keep
-// that copy for every caller).
+// Include only from a binding translation unit, which is compiled for the baseline ISA: the
+// inline functions here must not be compiled for a vector level (the linker could keep that
+// copy for every caller).
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -18,6 +20,7 @@
 #endif
 
 #include "megazero/optim_common.h"
+#include "megazero/simd.h"
 
 namespace megazero {
 
@@ -38,7 +41,8 @@ inline int detect_simd_level() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
   if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
   if (avx512) return kAvx512;
   if (avx2) return kAvx2;
@@ -50,6 +54,14 @@ inline int detect_simd_level() {
 inline int& active_simd_level() {
   static int level = detect_simd_level();
   return level;
+}
+
+// The kernel table of the active level out of one per level (MZ_SIMD_TABLES in
+// megazero/simd.h; a build without the vector levels has the scalar one only).
+template <class Table, size_t N>
+const Table& active_table(const Table* const (&tables)[N]) {
+  const int level = active_simd_level();
+  return *tables[level < static_cast<int>(N) ? level : static_cast<int>(N) - 1];
 }
 
 inline std::vector<std::string> supported_simd_levels() {

@@ -1,5 +1,5 @@
-// Sum of squares of one work unit in float64 (the global gradient norm), for one ISA.
-// Include after megazero/vec.h, in an ISA translation unit (see vec.h for the rules).
+// Sum of squares of one work unit in float64 (the global gradient norm), for one SIMD level.
+// Include in a per-level translation unit only (see megazero/vec.h for the rules).
 #pragma once
 
 #include "megazero/vec.h"

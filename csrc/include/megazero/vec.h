@@ -1,13 +1,11 @@
-// One ISA's fp32 vector type for megazero's CPU optimizer kernels, chosen by the macro the
-// including translation unit defines: MZ_ISA_SCALAR (1 lane), MZ_ISA_AVX2 (8 lanes, with FMA
-// and F16C available), MZ_ISA_AVX512 (16 lanes; with MZ_ISA_BF16_NATIVE, fp32 -> bf16 uses
-// the AVX512-BF16 instruction).
+// One SIMD level's fp32 vector type for megazero's CPU optimizer kernels, chosen by the level
+// the translation unit is compiled for (MZ_ISA, see megazero/simd.h): scalar (1 lane), avx2
+// (8 lanes, with FMA and F16C available), avx512 (16 lanes) and avx512bf16 (16 lanes, fp32 ->
+// bf16 by the AVX512-BF16 instruction).
 //
-// Include after <cstdint> (and <immintrin.h> for the x86 ISAs), and after
-//   #pragma GCC optimize("fp-contract=off")   (no FMA contraction: every level and the PyTorch
-//                                             reference round each + - * / the same way)
-//   #pragma GCC target("...")                 (the ISA of this translation unit)
-// Everything is in an anonymous namespace on purpose: each ISA's translation unit gets its
+// Only for per-level translation units, which are compiled with -ffp-contract=off (no FMA
+// contraction: every level and the PyTorch reference round each + - * / the same way).
+// Everything is in an anonymous namespace on purpose: each level's translation unit gets its
 // own internal copy, so no function compiled for AVX-512 can be shared with a baseline caller.
 //
 // Numerics: loads widen to fp32 exactly; stores round to nearest even. bf16 stores follow
@@ -18,10 +16,16 @@
 // the caller aligns the address and calls stream_fence() afterwards).
 #pragma once
 
-#include "megazero/optim_common.h"
+#include <cstdint>
 
-#if (defined(MZ_ISA_SCALAR) + defined(MZ_ISA_AVX2) + defined(MZ_ISA_AVX512)) != 1
-#error "define exactly one of MZ_ISA_SCALAR, MZ_ISA_AVX2, MZ_ISA_AVX512"
+#include "megazero/optim_common.h"
+#include "megazero/simd.h"
+
+#if !defined(MZ_ISA)
+#error "megazero/vec.h is for the per-level translation units (MZ_ISA, see megazero/simd.h)"
+#endif
+#if !defined(MZ_ISA_SCALAR)
+#include <immintrin.h>
 #endif
 
 namespace {

@@ -1,5 +1,6 @@
-// The two LAMB stages of one work unit for one ISA, with every dtype combination.
-// Include after megazero/vec.h in an ISA translation unit (see vec.h for the rules).
+// The two LAMB stages of a run of work units, with every dtype combination: compiled once per
+// SIMD level (setup.py passes -DMZ_ISA=<level> and the level's flags; see megazero/simd.h),
+// each object defining that level's megazero::lamb::<level>::kKernels.
 //
 // Per element, in fp32, each operation rounded (no FMA), in this order:
 //   stage 1:  g  = grad * grad_scale
@@ -13,8 +14,6 @@
 //   stage 2:  u as above from the stored m', v' and p
 //             p' = p - scale * u                          scale = (float)(lr * trust_ratio)
 //             store p' (rounded to the param dtype) and copy = p' rounded to the copy dtype.
-#pragma once
-
 #include "lamb_api.h"
 #include "megazero/vec.h"
 
@@ -168,3 +167,9 @@ inline void stage2_units(const LambConsts& c, const LambSpan* s, const megazero:
 }
 
 }  // namespace
+
+namespace megazero::lamb::MZ_ISA {
+
+extern const LambKernels kKernels = {stage1_units, stage2_units};
+
+}  // namespace megazero::lamb::MZ_ISA

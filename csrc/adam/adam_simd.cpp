@@ -1,5 +1,7 @@
-// The Adam/AdamW update of one work unit for one ISA, with every dtype combination.
-// Include after megazero/vec.h in an ISA translation unit (see vec.h for the rules).
+// The Adam/AdamW update of a run of work units, with every dtype combination, and the float64
+// sum of squares behind the global gradient norm: compiled once per SIMD level (setup.py passes
+// -DMZ_ISA=<level> and the level's flags; see megazero/simd.h), each object defining that
+// level's megazero::adam::<level>::kKernels.
 //
 // Per element, in fp32, each operation rounded (no FMA), in this order:
 //   g  = grad * grad_scale
@@ -12,9 +14,8 @@
 //   p' = p' - (step_size * m') / d                    step_size = lr / (1 - beta1^t)
 //   where !ok: p', m', v' = p, m, v
 //   store p' (rounded to the param dtype), m', v', and copy = p' rounded to the copy dtype.
-#pragma once
-
 #include "adam_api.h"
+#include "megazero/sumsq_kernel.h"
 #include "megazero/vec.h"
 
 namespace {
@@ -153,3 +154,9 @@ inline bool adam_units(const AdamConsts& c, const AdamSpan* s, const megazero::W
 }
 
 }  // namespace
+
+namespace megazero::adam::MZ_ISA {
+
+extern const AdamKernels kKernels = {adam_units, sumsq_units};
+
+}  // namespace megazero::adam::MZ_ISA
