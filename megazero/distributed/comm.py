@@ -77,20 +77,19 @@ def _require_online(group, what: str) -> None:
             f"{group.size}): it has no processes; offline groups only describe shapes")
 
 
-def group_size(group) -> int:
-    if isinstance(group, OfflineGroup):
-        return group.size
+def _ask(group, alone: int, ask) -> int:
+    """``ask(group)``, or ``alone`` without a process group (a world of one)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+        return alone
+    return ask(group)
+
+
+def group_size(group) -> int:
+    return group.size if isinstance(group, OfflineGroup) else _ask(group, 1, dist.get_world_size)
 
 
 def group_rank(group) -> int:
-    if isinstance(group, OfflineGroup):
-        return group.rank
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
+    return group.rank if isinstance(group, OfflineGroup) else _ask(group, 0, dist.get_rank)
 
 
 def backend_of(group=None) -> str | None:
