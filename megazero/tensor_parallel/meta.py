@@ -84,20 +84,28 @@ class ParamMetaError(ValueError):
 
 @dataclass(frozen=True)
 class ParamMeta:
-    """What megazero knows about one parameter (frozen; replace with ``update_meta``)."""
+    """What megazero knows about one parameter (frozen; replace with ``update_meta``).
 
-    shard: ShardInfo  # full logical shape and the slice this rank's tensor holds
-    local_shape: tuple[int, ...]  # this rank's tensor (padding included), kept when ZeRO-3
-    #                               frees the storage
-    init: InitSpec | None = None  # drawn from (seed, name) when set; None: not megazero's
-    tensor_parallel: bool = False  # split over the tp group (Megatron's tensor-model-parallel)
-    sequence_parallel: bool = False  # replicated over tp, gradient partial per tp rank
-    #                                  (sequence-parallel regions): all-reduced over tp
-    tied_embedding: bool = False  # the word embedding held by the first and last stages,
-    #                               gradient all-reduced over the embedding group
-    shared_embedding: bool = False  # the last stage's copy of it (counted once in norms)
-    partitioned_by: object = field(default=None, compare=False, repr=False)  # the ZeRO-3
-    #                               optimizer holding this parameter's dp partitions, if any
+    ``shard``: the full logical shape and the slice this rank's tensor holds.
+    ``local_shape``: this rank's tensor (padding included), kept when ZeRO-3 frees the storage.
+    ``init``: how it is drawn from (seed, name); None when megazero does not initialise it.
+    ``tensor_parallel``: split over the tp group (Megatron's tensor-model-parallel).
+    ``sequence_parallel``: replicated over tp, but each tp rank's gradient is partial (it saw
+    its part of the sequence): all-reduced over tp by gradient finalisation.
+    ``tied_embedding``: the word embedding held by the first and the last pipeline stage,
+    gradient all-reduced over the embedding group; ``shared_embedding``: the last stage's
+    copy of it (counted once in norms).
+    ``partitioned_by``: the ZeRO-3 optimizer holding this parameter's dp partitions, if any.
+    """
+
+    shard: ShardInfo
+    local_shape: tuple[int, ...]
+    init: InitSpec | None = None
+    tensor_parallel: bool = False
+    sequence_parallel: bool = False
+    tied_embedding: bool = False
+    shared_embedding: bool = False
+    partitioned_by: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "local_shape", tuple(int(s) for s in self.local_shape))
