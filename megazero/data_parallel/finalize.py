@@ -26,6 +26,7 @@ import torch
 from megazero.data_parallel.layout import Segment
 from megazero.data_parallel.params import all_reduce_list, counted_in_norm, tied_across_stages
 from megazero.distributed import comm
+from megazero.distributed.device import host_float
 from megazero.distributed.parallel_state import ParallelState
 from megazero.tensor_parallel.meta import meta_of
 
@@ -48,7 +49,7 @@ def grad_norm_sq(segments: list[Segment], owned: Callable[[Segment], torch.Tenso
     """Sum of squares of the reduced (still scaled) gradients over the whole model."""
     grads = [g for s in segments
              if counted_in_norm(s.param, ps) and (g := owned(s)).numel() > 0]
-    local = torch.zeros(1, dtype=torch.float64)
+    local = torch.zeros(1, dtype=torch.float64, device=ps.device)
     if grads:
         norms = torch._foreach_norm([g.float() for g in grads]) if low_precision \
             else torch._foreach_norm(grads)
@@ -56,4 +57,4 @@ def grad_norm_sq(segments: list[Segment], owned: Callable[[Segment], torch.Tenso
     comm.all_reduce(local, ps.mp_group)
     if sharded:
         comm.all_reduce(local, ps.dp_group)
-    return float(local.item())
+    return host_float(local)

@@ -41,6 +41,7 @@ from megazero.data_parallel.params import (
 )
 from megazero.data_parallel.reducer import BucketReducer
 from megazero.distributed import comm
+from megazero.distributed.device import synchronize
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim.grad_scaler import build_grad_scaler
 from megazero.optim.rules import ParamTable, SegmentView, build_rule
@@ -229,15 +230,13 @@ class ZeroOptimizer:
         """--cpu-offload: this rank's reduced gradients (model dtype) -> fp32 host buffer."""
         for bucket, (o0, o1) in zip(self.layout.buckets, self.part_offsets):
             self.grad_host[o0:o1].copy_(self.grads.owned_chunk(bucket), non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
 
     def _params_from_host(self):
         """--cpu-offload: updated fp32 main values -> the model's parameters (its dtype)."""
         for bucket, main in zip(self.layout.buckets, self.main_chunks):
             self.params.owned_chunk(bucket).copy_(main, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
 
     def _all_gather_params(self):
         works = []

@@ -26,6 +26,7 @@ from torch import nn
 
 from megazero.data_parallel.layout import FlatLayout
 from megazero.distributed import comm
+from megazero.distributed.device import host_all
 from megazero.tensor_parallel.meta import meta_of
 
 UnitPolicy = Callable[[nn.Module], list[tuple[str, list[nn.Module]]]]
@@ -118,11 +119,13 @@ class UnitGatherer:
             return
         self.seq += 1
         codes = {"gather": 1, "prefetch": 1, "reduce": 2, "broadcast": 3}
-        mine = torch.tensor([codes[kind], index, self.seq], dtype=torch.int64)
-        everyone = torch.empty(3 * self.dp_size, dtype=torch.int64)
+        mine = torch.tensor([codes[kind], index, self.seq], dtype=torch.int64,
+                            device=self.device)
+        everyone = torch.empty(3 * self.dp_size, dtype=torch.int64, device=self.device)
         comm.all_gather_into(everyone, mine, self.dp_group)
         rows = everyone.view(self.dp_size, 3)
-        if not bool((rows == rows[0]).all()):
+        if not host_all(rows == rows[0]):
+            rows = rows.cpu()
             names = {1: "all-gather", 2: "reduce-scatter", 3: "broadcast"}
             desc = "; ".join(f"dp rank {r}: {names.get(int(k), k)} of bucket {int(b)} "
                              f"(collective #{int(s)})" for r, (k, b, s) in enumerate(rows))

@@ -21,8 +21,18 @@ build one rank's model on the meta device to learn its shapes and shards, e.g. t
 converter): ``group_size`` / ``group_rank`` return its numbers and every collective raises
 ``OfflineGroupError``.
 
-This module imports nothing of megazero but ``distributed.ring``, so ``tensor_parallel``
-stays usable on its own.
+Every collective checks its tensors' device against the group's backend
+(``device.expected_device_type``: NCCL and the NCCL half of ``cpu:gloo,cuda:nccl`` take CUDA
+tensors, gloo CPU tensors) and raises ``CollectiveDeviceError`` naming the collective, the
+group, the tensor's device and the expected one; host-side traffic (``all_gather_object``)
+takes the backend's CPU route. A communicator may stand in for another backend
+(``backend=``): the dry run's fake process group is checked as the ``cpu:gloo,cuda:nccl`` of
+the job it rehearses. With ``recording`` on, every collective and point-to-point message is
+appended to ``records`` (group, op, shape, dtype, bytes, peer) for the dry run's report and
+its cross-rank comparison.
+
+This module imports nothing of megazero but ``distributed.ring`` and ``distributed.device``,
+so ``tensor_parallel`` stays usable on its own.
 """
 
 from __future__ import annotations
@@ -37,6 +47,11 @@ import torch
 import torch.distributed as dist
 
 from megazero.distributed import ring as _ring
+from megazero.distributed.device import (
+    expected_device_type,
+    host_device_type,
+    parse_backend,
+)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,6 +65,11 @@ RING_MIN_BYTES = 4 << 20
 
 class OfflineGroupError(RuntimeError):
     """A collective was called on an ``OfflineGroup`` (no processes to talk to)."""
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A collective got a tensor on a device its group's backend cannot carry (a CPU tensor
+    on NCCL, a CUDA tensor on gloo)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +153,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective or point-to-point message as this rank issued it."""
+
+    group: str  # the group's name ("tp", "dp", ...) or its ranks
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv
+    shape: tuple
+    dtype: str
+    bytes: int  # bytes this rank sends (ring-algorithm accounting; p2p: the message)
+    peer: int | None = None  # p2p: the other global rank
+    device: str = ""
+
+
 def _native_rs(out, inp, group):
     _reduce_scatter_single(out, inp, group=group)
 
@@ -145,12 +178,59 @@ class Communicator:
     """Collectives with byte accounting (``stats``) and per-group ring choice (``ring_policy``:
     "auto", "ring" or "native"); one per ``ParallelState``."""
 
-    def __init__(self, ring_policy: str = "auto", stats: CommStats | None = None):
+    def __init__(self, ring_policy: str = "auto", stats: CommStats | None = None, *,
+                 backend: str | None = None):
         if ring_policy not in RING_POLICIES:
             raise ValueError(f"ring policy must be one of {RING_POLICIES}, got {ring_policy!r}")
         self.ring_policy = ring_policy
         self.stats = stats if stats is not None else CommStats()
+        self.backend = backend  # stands in for the groups' own backend (the dry run)
+        self.names: dict = {}  # group -> name ("tp", "dp", ...), for messages and records
+        self.strict = True  # False: any device the backend can carry (unbound groups)
+        self.recording = False
+        self.records: list[CollectiveRecord] = []
         self._rings: dict = {}  # group -> (Ring, {"reduce_scatter": bool, "all_gather": bool})
+        self._backends: dict = {}  # group -> backend string
+
+    # ---- device checks and records -------------------------------------------------------
+    def group_backend(self, group) -> str | None:
+        if self.backend is not None:
+            return self.backend
+        if group not in self._backends:
+            self._backends[group] = backend_of(group)
+        return self._backends[group]
+
+    def group_name(self, group) -> str:
+        name = self.names.get(group)
+        if name is not None:
+            return name
+        if group is None or not (dist.is_available() and dist.is_initialized()):
+            return "world"
+        return str(dist.get_process_group_ranks(group))
+
+    def check_device(self, op: str, tensor: torch.Tensor, group, host: bool = False) -> None:
+        """Raise ``CollectiveDeviceError`` unless ``tensor`` is on the device the group's
+        backend takes (``host``: the backend's host-side route)."""
+        backend = self.group_backend(group)
+        if not self.strict:
+            routes = parse_backend(backend)
+            if not routes or tensor.device.type in routes:
+                return
+            want = "/".join(routes)
+        else:
+            want = host_device_type(backend) if host else expected_device_type(backend)
+        if want is not None and tensor.device.type != want:
+            raise CollectiveDeviceError(
+                f"{op} on the {self.group_name(group)} group (backend {backend}) got a tensor "
+                f"on {tensor.device} (shape {tuple(tensor.shape)}, {tensor.dtype}); this "
+                f"backend needs {want} tensors: allocate it on ParallelState.device")
+
+    def _record(self, op: str, tensor: torch.Tensor, group, nbytes: float,
+                peer: int | None = None) -> None:
+        if self.recording:
+            self.records.append(CollectiveRecord(
+                self.group_name(group), op, tuple(tensor.shape), str(tensor.dtype).replace(
+                    "torch.", ""), int(nbytes), peer, str(tensor.device)))
 
     @contextlib.contextmanager
     def counting(self):
@@ -184,25 +264,33 @@ class Communicator:
         n = group_size(group)
         if n == 1:
             return None
+        self.check_device("all_reduce", tensor, group)
         b = _nbytes(tensor)
         self.stats.add("all_reduce", 2 * (n - 1) / n * b, 2 * (n - 1) / n * b)
+        self._record("all_reduce", tensor, group, 2 * (n - 1) / n * b)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    def _begin(self, kind, output, input_, group, shard_nbytes, full_nbytes, ring_ok=True):
+    def _begin(self, kind, output, input_, group, shard_nbytes, full_nbytes, ring_ok=True,
+               host=False):
         """What all-gather and reduce-scatter share: (False, None) when the group has one
-        rank (the copy is done), else count the bytes and (True, the Ring to use or None)."""
+        rank (the copy is done), else check devices, count the bytes and (True, the Ring to
+        use or None)."""
         _require_online(group, f"{kind}_into")
         n = group_size(group)
         if n == 1:
             output.copy_(input_.reshape(output.shape))
             return False, None
+        self.check_device(kind, input_, group, host)
+        self.check_device(kind, output, group, host)
         self.stats.add(kind, (n - 1) * shard_nbytes, (n - 1) * shard_nbytes)
+        self._record(kind, input_, group, (n - 1) * shard_nbytes)
         return True, self._ring_for(group, kind, full_nbytes) if ring_ok else None
 
-    def all_gather_into(self, output, input_, group=None, async_op=False):
-        """output = concat over ranks of input_ (along dim 0 of the flat layout)."""
+    def all_gather_into(self, output, input_, group=None, async_op=False, host=False):
+        """output = concat over ranks of input_ (along dim 0 of the flat layout); ``host``:
+        host-side traffic on the backend's CPU route."""
         active, ring = self._begin("all_gather", output, input_, group, _nbytes(input_),
-                                   _nbytes(output))
+                                   _nbytes(output), host=host)
         if not active:
             return None
         if ring is not None:
@@ -233,29 +321,34 @@ class Communicator:
         n = group_size(group)
         if n == 1:
             return None
+        self.check_device("broadcast", tensor, group)
         b = _nbytes(tensor)
         self.stats.add("broadcast", (n - 1) / n * b, (n - 1) / n * b)
+        self._record("broadcast", tensor, group, (n - 1) / n * b)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
     def all_gather_object(self, obj, group=None) -> list:
         """Gather a picklable object of tensors and plain values from every rank of
         ``group``. Serialised with ``torch.save`` and read back with ``weights_only=True``
-        (torch 2.13's ``dist.all_gather_object`` fails on objects holding tensors)."""
+        (torch 2.13's ``dist.all_gather_object`` fails on objects holding tensors). Travels
+        on the backend's host route (gloo's half of ``cpu:gloo,cuda:nccl``)."""
         _require_online(group, "all_gather_object")
         n = group_size(group)
         if n == 1:
             return [obj]
+        host = host_device_type(self.group_backend(group)) or "cpu"
         buf = io.BytesIO()
         torch.save(obj, buf)
         data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-        sizes = torch.empty(n, dtype=torch.int64)
-        self.all_gather_into(sizes, size, group)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=host)
+        sizes = torch.empty(n, dtype=torch.int64, device=host)
+        self.all_gather_into(sizes, size, group, host=True)
+        sizes = sizes.cpu()
         padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
         padded[:data.numel()] = data
-        out = torch.empty(n * padded.numel(), dtype=torch.uint8)
-        self.all_gather_into(out, padded, group)
-        chunks = out.view(n, -1)
+        out = torch.empty(n * padded.numel(), dtype=torch.uint8, device=host)
+        self.all_gather_into(out, padded.to(host), group, host=True)
+        chunks = out.cpu().view(n, -1)
         blobs = [io.BytesIO(chunks[i, :int(sizes[i])].numpy().tobytes()) for i in range(n)]
         return [torch.load(blob, weights_only=True) for blob in blobs]
 
@@ -268,39 +361,52 @@ class Communicator:
         """Account a point-to-point message posted elsewhere (batched p2p ops)."""
         self.stats.add("p2p", sent, received)
 
+    def p2p_posted(self, op: str, tensor: torch.Tensor, peer: int, group=None) -> None:
+        """Check, count and record a point-to-point ``op`` ("send" or "recv") with global
+        rank ``peer``, posted elsewhere (batched p2p ops)."""
+        self.check_device(op, tensor, group)
+        b = _nbytes(tensor)
+        self.count_p2p(b, 0) if op == "send" else self.count_p2p(0, b)
+        self._record(op, tensor, group, b, peer)
+
     def send(self, tensor, dst: int, group=None):
         _require_online(group, "send")
-        self.count_p2p(_nbytes(tensor), 0)
+        self.p2p_posted("send", tensor, dst, group)
         dist.send(tensor, dst, group=group)
 
     def recv(self, tensor, src: int, group=None):
         _require_online(group, "recv")
-        self.count_p2p(0, _nbytes(tensor))
+        self.p2p_posted("recv", tensor, src, group)
         dist.recv(tensor, src, group=group)
 
     def isend(self, tensor, dst: int, group=None):
         _require_online(group, "isend")
-        self.count_p2p(_nbytes(tensor), 0)
+        self.p2p_posted("send", tensor, dst, group)
         return dist.isend(tensor, dst, group=group)
 
     def irecv(self, tensor, src: int, group=None):
         _require_online(group, "irecv")
-        self.count_p2p(0, _nbytes(tensor))
+        self.p2p_posted("recv", tensor, src, group)
         return dist.irecv(tensor, src, group=group)
 
 
 # Plain collectives for groups bound to no communicator: uncounted, never on the ring. It
 # holds no state (its counters are disabled and "native" never measures).
 _PLAIN = Communicator("native", CommStats(enabled=False))
+_PLAIN.strict = False  # a user's own group: any device its backend has a route for
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> Communicator
 
 
 def bind(communicator: Communicator, groups) -> None:
-    """Make ``communicator`` carry the collectives of ``groups`` (process groups; ``None``
-    and offline groups are skipped). A group belongs to the last communicator bound to it."""
-    for group in groups:
+    """Make ``communicator`` carry the collectives of ``groups`` (process groups, or a dict
+    name -> group naming them in messages and records; ``None`` and offline groups are
+    skipped). A group belongs to the last communicator bound to it."""
+    named = groups.items() if isinstance(groups, dict) else ((None, g) for g in groups)
+    for name, group in named:
         if group is not None and not isinstance(group, OfflineGroup):
             _BOUND[group] = communicator
+            if name is not None:
+                communicator.names.setdefault(group, name)
 
 
 def communicator_of(group) -> Communicator:
@@ -314,8 +420,9 @@ def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
     return communicator_of(group).all_reduce(tensor, group, op=op, async_op=async_op)
 
 
-def all_gather_into(output, input_, group=None, async_op=False):
-    return communicator_of(group).all_gather_into(output, input_, group, async_op=async_op)
+def all_gather_into(output, input_, group=None, async_op=False, host=False):
+    return communicator_of(group).all_gather_into(output, input_, group, async_op=async_op,
+                                                  host=host)
 
 
 def reduce_scatter_into(output, input_, group=None, op=dist.ReduceOp.SUM, async_op=False,

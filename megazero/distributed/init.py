@@ -2,9 +2,12 @@
 
 Launched by torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the
 environment) it joins the job's process group; launched as a plain process it creates a world
-of one in memory (no port, no file). The backend is NCCL when CUDA is available and gloo
-otherwise, unless ``--distributed-backend`` says; collectives time out after
-``--distributed-timeout-minutes`` instead of hanging.
+of one in memory (no port, no file). With CUDA available the default group is device-mapped,
+``cpu:gloo,cuda:nccl``: CUDA tensors (every hot-path collective, on ``ParallelState.device``)
+go over NCCL and CPU tensors (object gathers, host-side metadata) keep a route over gloo.
+Without CUDA it is gloo. ``--distributed-backend nccl`` asks for the mapped backend too,
+``gloo`` for plain gloo. Collectives time out after ``--distributed-timeout-minutes``
+instead of hanging.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ConfigError, ParallelConfig
+from megazero.distributed.device import MAPPED_BACKEND
 from megazero.distributed.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -24,6 +28,12 @@ logger = logging.getLogger(__name__)
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def process_group_backend(backend: str) -> str:
+    """The backend string given to ``init_process_group``: NCCL comes device-mapped with a
+    gloo route for CPU tensors."""
+    return MAPPED_BACKEND if backend == "nccl" else backend
 
 
 def launched_by_torchrun() -> bool:
@@ -41,10 +51,12 @@ def init_distributed(parallel: ParallelConfig | None = None) -> ParallelState:
         if launched_by_torchrun():
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+            dist.init_process_group(backend=process_group_backend(backend),
+                                    init_method="env://", timeout=timeout)
         else:
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
-                                    world_size=1, timeout=timeout)
+            dist.init_process_group(backend=process_group_backend(backend),
+                                    store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
     world = dist.get_world_size()
     if world != parallel.world_size:
         # The config was validated against WORLD_SIZE; re-check against the real group.

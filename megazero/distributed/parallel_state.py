@@ -92,12 +92,14 @@ class ParallelState:
     @classmethod
     def build(cls, tp_size: int = 1, pp_size: int = 1, *, virtual_pp_size: int | None = None,
               device: torch.device | str | None = None,
-              ring_policy: str = "auto") -> ParallelState:
+              ring_policy: str = "auto", comm_backend: str | None = None) -> ParallelState:
         """Create the groups for this process. Every rank must call this with the same sizes.
 
         Without an initialised torch.distributed, only a world of one process is allowed.
         The groups are bound to this state's ``Communicator`` (``ring_policy``: "auto",
-        "ring" or "native" reduce-scatter/all-gather on gloo).
+        "ring" or "native" reduce-scatter/all-gather on gloo; ``comm_backend``: the backend
+        its device checks assume instead of the groups' own, for the dry run's fake groups).
+        The device defaults to ``cuda:<current>`` when the backend carries CUDA tensors.
         """
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
@@ -108,11 +110,12 @@ class ParallelState:
         tp_rank, dp_rank, pp_rank = coords_of(rank, tp_size, dp_size)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() and _backend() == "nccl" else torch.device("cpu")
+                if torch.cuda.is_available() and "nccl" in (_backend() or "") \
+                else torch.device("cpu")
         state = cls(world_size=world, rank=rank, tp_size=tp_size, pp_size=pp_size,
                     dp_size=dp_size, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
                     virtual_pp_size=virtual_pp_size, device=torch.device(device),
-                    comm=Communicator(ring_policy))
+                    comm=Communicator(ring_policy, backend=comm_backend))
         distributed = world > 1
         state.embedding_ranks = []  # middle pipeline stages belong to no embedding group
         for kind in ("tp", "dp", "pp", "mp", "embedding"):
@@ -124,16 +127,18 @@ class ParallelState:
                     setattr(state, f"{kind}_ranks", list(ranks))
                     setattr(state, f"{kind}_group", group)
         state.world_group = dist.group.WORLD if distributed else None
-        bind(state.comm, (state.tp_group, state.dp_group, state.pp_group, state.mp_group,
-                          state.embedding_group, state.world_group))
+        bind(state.comm, {"tp": state.tp_group, "dp": state.dp_group, "pp": state.pp_group,
+                          "mp": state.mp_group, "embedding": state.embedding_group,
+                          "world": state.world_group})
         return state
 
     @classmethod
-    def from_config(cls, parallel_config, device=None) -> ParallelState:
+    def from_config(cls, parallel_config, device=None, comm_backend=None) -> ParallelState:
         return cls.build(parallel_config.tensor_model_parallel_size,
                          parallel_config.pipeline_model_parallel_size,
                          virtual_pp_size=parallel_config.virtual_pipeline_model_parallel_size,
-                         device=device, ring_policy=parallel_config.ring_collectives)
+                         device=device, ring_policy=parallel_config.ring_collectives,
+                         comm_backend=comm_backend)
 
     # ---- pipeline facts -----------------------------------------------------------------
     @property

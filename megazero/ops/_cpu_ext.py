@@ -23,6 +23,7 @@ import struct
 from collections.abc import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from megazero.ops._loader import load_extension
 
@@ -104,10 +105,16 @@ def dtype_code(t: torch.Tensor | None) -> int:
     return NO_DTYPE if t is None else DTYPE_CODES[t.dtype]
 
 
+def holds_data(t: torch.Tensor) -> bool:
+    """False for a fake tensor (the dry run: shapes without memory), which a kernel taking raw
+    addresses cannot read: such calls take the PyTorch reference path."""
+    return not isinstance(t, FakeTensor)
+
+
 def kernel_ready(*tensors: torch.Tensor | None) -> bool:
-    """True when every given tensor is a contiguous CPU tensor of a kernel dtype."""
+    """True when every given tensor is a contiguous CPU tensor of a kernel dtype, with data."""
     return all(t is None or (t.device.type == "cpu" and t.is_contiguous()
-                             and t.dtype in DTYPE_CODES) for t in tensors)
+                             and t.dtype in DTYPE_CODES and holds_data(t)) for t in tensors)
 
 
 def check_same_numel(name: str, ref: torch.Tensor, *others: torch.Tensor | None) -> None:

@@ -63,9 +63,10 @@ def dtype_code(dtype: torch.dtype) -> int | None:
 
 
 def cpu_kernel_args_ok(*tensors) -> bool:
-    """True when every given tensor (None entries skipped) is a CPU fp32/bf16 tensor."""
-    return all(t is None or (t.device.type == "cpu" and t.dtype in _DTYPE_CODES)
-               for t in tensors)
+    """True when every given tensor (None entries skipped) is a CPU fp32/bf16 tensor with
+    data (fake tensors of the dry run take the reference path)."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype in _DTYPE_CODES
+                             and _cpu_ext.holds_data(t)) for t in tensors)
 
 
 def num_threads() -> int:

@@ -65,7 +65,7 @@ def global_grad_norm_sq(grads: Sequence[torch.Tensor]) -> float:
     """
     ext = cx.get_extension("adam")
     if ext is None or not all(g.device.type == "cpu" and g.dtype in cx.DTYPE_CODES
-                              for g in grads):
+                              and cx.holds_data(g) for g in grads):
         return global_grad_norm_sq_reference(grads)
     grads = [g.contiguous() for g in grads]
     sums = [0.0] * len(grads)

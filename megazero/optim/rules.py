@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megazero.distributed import comm
+from megazero.distributed.device import host_values
 from megazero.ops.cpu_lamb import lamb_stage1_, lamb_stage2_, lamb_trust_ratios
 from megazero.ops.fused_step import fused_adam_step, fused_adam_step_reference
 
@@ -139,10 +140,11 @@ class LambRule:
     state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, beta1=0.9, beta2=0.999, eps=1e-6, min_trust=0.01, max_trust=10.0,
-                 dp_group=None, tp_group=None):
+                 dp_group=None, tp_group=None, device=None):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.min_trust, self.max_trust = min_trust, max_trust
         self.dp_group, self.tp_group = dp_group, tp_group
+        self.device = torch.device(device or "cpu")  # where the norm sums are reduced
 
     def apply(self, segments, *, step, lr, grad_scale, params: ParamTable):
         mains = [s.main for s in segments]
@@ -152,20 +154,22 @@ class LambRule:
         w_seg, u_seg, _ = lamb_stage1_(mains, [s.grad for s in segments], ms, vs, step=step,
                                        beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                                        weight_decay=wds, grad_scale=grad_scale)
-        keys = torch.tensor([s.param_key for s in segments], dtype=torch.int64)
-        sums = torch.zeros(2, params.count, dtype=torch.float64)  # [||w||^2, ||u||^2]
-        sums[0].index_add_(0, keys, torch.tensor(w_seg, dtype=torch.float64))
-        sums[1].index_add_(0, keys, torch.tensor(u_seg, dtype=torch.float64))
+        dev = self.device
+        keys = torch.tensor([s.param_key for s in segments], dtype=torch.int64, device=dev)
+        # [||w||^2, ||u||^2] per parameter, summed over its segments, then over the groups
+        sums = torch.zeros(2, params.count, dtype=torch.float64, device=dev)
+        sums[0].index_add_(0, keys, torch.as_tensor(w_seg, dtype=torch.float64, device=dev))
+        sums[1].index_add_(0, keys, torch.as_tensor(u_seg, dtype=torch.float64, device=dev))
         comm.all_reduce(sums, self.dp_group)
         if comm.group_size(self.tp_group) > 1:
-            mask = params.tp_sharded.to(torch.float64)
+            mask = params.tp_sharded.to(device=dev, dtype=torch.float64)
             tp_part = sums * mask
             comm.all_reduce(tp_part, self.tp_group)
             sums = tp_part + sums * (1 - mask)
         trust = lamb_trust_ratios(sums[0], sums[1], self.min_trust, self.max_trust)
         copies = [s.model_out for s in segments]
         lamb_stage2_(mains, ms, vs, step=step, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                     eps=self.eps, trust_ratios=trust[keys].tolist(), weight_decay=wds,
+                     eps=self.eps, trust_ratios=host_values(trust[keys]), weight_decay=wds,
                      copies=None if any(c is None for c in copies) else copies)
 
 
@@ -180,5 +184,5 @@ def build_rule(opt_config, ps):
     if opt_config.optimizer == "lamb":
         return LambRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
                         dp_group=ps.dp_group if opt_config.zero_stage > 0 else None,
-                        tp_group=ps.tp_group)
+                        tp_group=ps.tp_group, device=ps.device)
     return SGDRule(opt_config.sgd_momentum)

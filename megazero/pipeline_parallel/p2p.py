@@ -92,12 +92,10 @@ class P2P:
         return self.post(send_next, send_prev, recv_prev, recv_next).wait()
 
     def _op(self, fn, tensor, peer, tag):
-        nbytes = tensor.numel() * tensor.element_size()
         if fn is dist.isend:
-            self.ps.comm.count_p2p(nbytes, 0)
             tensor = tensor.detach().contiguous()
-        else:
-            self.ps.comm.count_p2p(0, nbytes)
+        self.ps.comm.p2p_posted("send" if fn is dist.isend else "recv", tensor, peer,
+                                self.ps.pp_group)
         return dist.P2POp(fn, tensor, peer, tag=tag), tensor
 
     def _start(self, ops):

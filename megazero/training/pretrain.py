@@ -23,6 +23,7 @@ from megazero.checkpoint import checkpoint_model_args, load_checkpoint, save_che
 from megazero.config import MegazeroConfig
 from megazero.data_parallel import build_optimizer
 from megazero.distributed import comm
+from megazero.distributed.device import host_float, host_values
 from megazero.distributed.init import init_distributed
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
@@ -155,7 +156,7 @@ class Trainer:
         self.config, self.ps, self.tracker = config, ps, tracker
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.forward_step_func = forward_step_func
-        self.timers = Timers()
+        self.timers = Timers(ps.device, synchronize=config.train.log_timers)
         self.state = TrainState()
         self.history: dict = {"lm loss": [], "iterations": [], "validation": []}
         self.tensorboard = None
@@ -207,9 +208,9 @@ class Trainer:
             return True
         if tcfg.exit_duration_in_mins is not None:
             over = torch.tensor([1.0 if (time.time() - start) / 60 > tcfg.exit_duration_in_mins
-                                 else 0.0])
+                                 else 0.0], device=ps.device)
             comm.all_reduce(over, ps.world_group, op=torch.distributed.ReduceOp.MAX)
-            if over.item() > 0:
+            if host_float(over) > 0:
                 if ps.rank == 0:
                     logger.info("exiting program after %.2f minutes (--exit-duration-in-mins)",
                                 (time.time() - start) / 60)
@@ -308,11 +309,13 @@ def _reduce_losses(losses: list[dict], ps: ParallelState) -> dict:
     if not ps.is_last_stage or not losses:
         return {}
     keys = sorted(losses[0])
-    local = torch.tensor([[float(d[k]) for k in keys] for d in losses],
-                         dtype=torch.float64).mean(0)
+    # [micro-batches, losses] on the device: one all-reduce, one copy to the host
+    local = torch.stack([torch.stack([torch.as_tensor(d[k], dtype=torch.float64,
+                                                      device=ps.device).reshape(())
+                                      for k in keys]) for d in losses]).mean(0)
     comm.all_reduce(local, ps.dp_group)
     local /= ps.dp_size
-    return dict(zip(keys, local.tolist()))
+    return dict(zip(keys, host_values(local)))
 
 
 @torch.no_grad()

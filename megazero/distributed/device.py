@@ -1,0 +1,86 @@
+"""Which device a rank's collectives need, and reading device values on the host.
+
+A rank keeps its model, gradients and every hot-path collective on ``ParallelState.device``:
+``cuda:<local rank>`` under NCCL, ``cpu`` under gloo. With CUDA present the default process
+group is device-mapped (``cpu:gloo,cuda:nccl``, see ``init``): CUDA tensors travel over NCCL,
+and the gloo half keeps a route for host-side traffic (``all_gather_object``, checkpoint
+metadata). ``expected_device_type(backend)`` says which device a group's hot-path collectives
+take; ``distributed.comm`` checks every tensor against it.
+
+Values the host must see (the loss for the log line, the gradient norm, an exit flag) are read
+with ``host_values``: one device-to-host copy per call. In the dry run (``megazero.dryrun``)
+tensors are fake (shapes, dtypes and devices without data): they read as zeros, so the loop
+takes its common path (finite norm, no overflow, no early exit). ``synchronize`` waits for a
+real CUDA device only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+# The default process group's backend when CUDA is present: NCCL for CUDA tensors, gloo for
+# CPU tensors (object collectives, host-side metadata).
+MAPPED_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def is_fake(t) -> bool:
+    """True for a fake tensor (``FakeTensorMode``: the dry run), which holds no values."""
+    return isinstance(t, FakeTensor)
+
+
+def host_values(t: torch.Tensor) -> list[float]:
+    """The elements of ``t`` as Python floats (one copy to the host); zeros for a fake tensor."""
+    if is_fake(t):
+        return [0.0] * t.numel()
+    return [float(v) for v in t.detach().reshape(-1).tolist()]
+
+
+def host_float(t: torch.Tensor) -> float:
+    """The single element of ``t`` as a Python float; 0.0 for a fake tensor."""
+    if t.numel() != 1:
+        raise ValueError(f"host_float needs a one-element tensor, got shape {tuple(t.shape)}")
+    return host_values(t)[0]
+
+
+def host_all(t: torch.Tensor) -> bool:
+    """``bool(t.all())`` read on the host; True for a fake tensor."""
+    return True if is_fake(t) else bool(t.all())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the kernels queued on ``device`` (a real CUDA device only)."""
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+
+
+def parse_backend(backend: str | None) -> dict[str, str]:
+    """{device type: backend} of a backend string: "gloo" -> {"cpu": "gloo"}, "nccl" ->
+    {"cuda": "nccl"}, "cpu:gloo,cuda:nccl" -> both; {} for others (fake, mpi, unknown)."""
+    if not backend:
+        return {}
+    backend = backend.lower()
+    if ":" in backend:
+        pairs = (part.split(":", 1) for part in backend.split(","))
+        return {dev.strip(): name.strip() for dev, name in pairs}
+    return {"gloo": {"cpu": "gloo"}, "nccl": {"cuda": "nccl"}}.get(backend, {})
+
+
+def expected_device_type(backend: str | None) -> str | None:
+    """The device type the hot-path collectives of a group with ``backend`` must use: the
+    accelerator half of a device-mapped backend, the only device of a plain one; None when
+    the backend is unknown (no check)."""
+    devices = parse_backend(backend)
+    if not devices:
+        return None
+    accelerators = [d for d in devices if d != "cpu"]
+    return accelerators[0] if accelerators else "cpu"
+
+
+def host_device_type(backend: str | None) -> str | None:
+    """The device type for host-side collectives (objects, metadata): CPU when the backend
+    has a CPU route, else the accelerator (plain NCCL), None when unknown."""
+    devices = parse_backend(backend)
+    if not devices:
+        return None
+    return "cpu" if "cpu" in devices else next(iter(devices))
