@@ -8,11 +8,13 @@ With no --data-path, the built-in default corpus (the Python standard library, t
 a SentencePiece BPE trained on it) is built once and cached. See scripts/ for launchers.
 """
 
+import sys
 from functools import partial
 
 import torch
 
-from megazero.arguments import parse_args
+from megazero import dryrun
+from megazero.arguments import dry_run_args, parse_args
 from megazero.distributed import destroy_distributed
 from megazero.model import build_gpt_model_chunks, gpt_zero3_units
 from megazero.training import pretrain
@@ -58,6 +60,12 @@ def forward_step(data_iterator, model):
 
 
 if __name__ == "__main__":
+    dry = dry_run_args()
+    if dry is not None:  # one rank of a larger job, on fake tensors (megazero.dryrun)
+        sys.exit(dryrun.main(parse_args(world_size=dry["world_size"]), dry,
+                             datasets_provider=train_valid_test_datasets_provider,
+                             model_provider=model_provider, forward_step_func=forward_step,
+                             zero3_unit_policy=zero3_unit_policy))
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step, parse_args(),
              zero3_unit_policy=zero3_unit_policy)
     # Join the process groups' threads before the interpreter exits: left to the atexit

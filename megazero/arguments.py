@@ -224,9 +224,42 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_data_args(parser)
     _add_training_args(parser)
     _add_compat_args(parser)
+    _add_dry_run_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
+
+
+def _add_dry_run_args(parser):
+    g = parser.add_argument_group(
+        "dry run", "execute rank R of an N-rank job in this one CPU process on fake tensors "
+                   "and a fake process group, and report its memory and collectives "
+                   "(megazero.dryrun)")
+    g.add_argument("--dry-run-rank", type=int, default=None, help="the global rank to play")
+    g.add_argument("--dry-run-world-size", type=int, default=None,
+                   help="the job's world size (needed with --dry-run-rank)")
+    g.add_argument("--dry-run-device", choices=["cuda", "cpu"], default="cuda",
+                   help="the job's device (cuda works on a CPU-only torch)")
+    g.add_argument("--dry-run-iters", type=int, default=2, help="training iterations to run")
+    g.add_argument("--dry-run-report", default=None, help="also write the report as JSON here")
+    g.add_argument("--no-dry-run-check-peers", dest="dry_run_check_peers",
+                   action="store_false", default=True,
+                   help="skip dry-running a peer rank of each group to compare collectives")
+
+
+DRY_RUN_FIELDS = ("rank", "world_size", "device", "iters", "report", "check_peers")
+
+
+def dry_run_args(argv=None) -> dict | None:
+    """The ``--dry-run-*`` values as a dict (``DryRunOptions`` fields), or None when no dry run
+    is asked for. ``--dry-run-rank`` and ``--dry-run-world-size`` come together."""
+    parser = build_parser()
+    ns, _ = parser.parse_known_args(argv)
+    if ns.dry_run_rank is None and ns.dry_run_world_size is None:
+        return None
+    if ns.dry_run_rank is None or ns.dry_run_world_size is None:
+        parser.error("--dry-run-rank and --dry-run-world-size go together")
+    return {f: getattr(ns, f"dry_run_{f}") for f in DRY_RUN_FIELDS}
 
 
 def _pick(ns, cls, **values):
@@ -238,7 +271,8 @@ def _pick(ns, cls, **values):
 
 def namespace_to_config(ns: argparse.Namespace, world_size: int | None = None) -> MegazeroConfig:
     if world_size is None:
-        world_size = ns.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = getattr(ns, "dry_run_world_size", None) or ns.world_size \
+            or int(os.environ.get("WORLD_SIZE", "1"))
     v = None
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         per = ns.num_layers_per_virtual_pipeline_stage

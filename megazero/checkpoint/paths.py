@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from megazero.distributed.device import fake_to_meta
+
 TRACKER = "latest_checkpointed_iteration.txt"
 LAYOUT_FILE = "layout.json"
 MODEL_FILE = "model_optim_rng.pt"
@@ -60,11 +62,12 @@ def zero_shard_name(dp_rank: int) -> str:
 
 
 def atomic_save(obj, path: str) -> None:
-    """torch.save to ``path`` via a temporary file in the same folder and a rename."""
+    """torch.save to ``path`` via a temporary file in the same folder and a rename (the dry
+    run's fake tensors are written as meta tensors: the structure without data)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        torch.save(obj, tmp)
+        torch.save(fake_to_meta(obj), tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

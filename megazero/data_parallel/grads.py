@@ -66,6 +66,10 @@ class FullGradBuffer:
     def nbytes(self) -> int:
         return _nbytes(self.buffer)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage behind every gradient (memory accounting)."""
+        return [self.buffer]
+
 
 class PartitionGradBuffer:
     """Stages 2-3: only the owned partition of the gradients, filled bucket by bucket."""
@@ -111,6 +115,10 @@ class PartitionGradBuffer:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.partition)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage behind the owned gradients (memory accounting)."""
+        return [self.partition]
 
 
 def grad_storage(stage: int, layout: FlatLayout, dtype: torch.dtype, device: torch.device):

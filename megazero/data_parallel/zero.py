@@ -77,6 +77,10 @@ class FlatParams:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage behind every parameter (memory accounting)."""
+        return [self.buffer]
+
 
 def bucketed_layout(named, ps: ParallelState, opt_config, shard: bool) -> FlatLayout:
     """Stages 0-2: greedy buckets of ``--zero-reduce-bucket-size`` elements in backward order
@@ -250,6 +254,18 @@ class ZeroOptimizer:
                 w.wait()
 
     # ---- reports and checkpoints ----------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors ``memory_report`` counts, by category (``params``, ``grads``,
+        ``main_params``, ``optimizer_states``; ``host_grads`` with --cpu-offload): what a
+        memory tracker tags as model states."""
+        separate_main = self.low_precision or self.offload
+        tensors = {"params": self.params.tensors(), "grads": self.grads.tensors(),
+                   "main_params": list(self.main_chunks) if separate_main else [],
+                   "optimizer_states": list(self.state.values())}
+        if self.offload:
+            tensors["grads"] = tensors["grads"] + [self.grad_host]
+        return tensors
+
     def memory_report(self) -> dict:
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         main = sum(nbytes(m) for m in self.main_chunks) \

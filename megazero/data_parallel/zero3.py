@@ -139,6 +139,10 @@ class PartitionedParams:
         nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         return nbytes(self.partition) + nbytes(self.persist_buffer)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The storages this rank keeps between gathers (memory accounting)."""
+        return [t for t in (self.partition, self.persist_buffer) if t is not None]
+
 
 class Zero3Optimizer(ZeroOptimizer):
     """ZeRO-3 over ``model_chunks`` on ``ps.dp_group`` (see the module docstring).

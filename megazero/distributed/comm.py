@@ -49,7 +49,9 @@ import torch.distributed as dist
 from megazero.distributed import ring as _ring
 from megazero.distributed.device import (
     expected_device_type,
+    fake_to_meta,
     host_device_type,
+    host_side,
     parse_backend,
 )
 
@@ -336,18 +338,24 @@ class Communicator:
         n = group_size(group)
         if n == 1:
             return [obj]
+        with host_side():  # bytes on the host, also inside the dry run's fake-tensor mode
+            return self._all_gather_object(obj, group, n)
+
+    def _all_gather_object(self, obj, group, n: int) -> list:
         host = host_device_type(self.group_backend(group)) or "cpu"
         buf = io.BytesIO()
-        torch.save(obj, buf)
+        torch.save(fake_to_meta(obj), buf)
         data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=host)
-        sizes = torch.empty(n, dtype=torch.int64, device=host)
+        sizes = torch.full((n,), data.numel(), dtype=torch.int64, device=host)
         self.all_gather_into(sizes, size, group, host=True)
         sizes = sizes.cpu()
         padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
         padded[:data.numel()] = data
         out = torch.empty(n * padded.numel(), dtype=torch.uint8, device=host)
         self.all_gather_into(out, padded.to(host), group, host=True)
+        if backend_of(group) == "fake":  # the dry run's groups move no data: ours, n times
+            return [obj for _ in range(n)]
         chunks = out.cpu().view(n, -1)
         blobs = [io.BytesIO(chunks[i, :int(sizes[i])].numpy().tobytes()) for i in range(n)]
         return [torch.load(blob, weights_only=True) for blob in blobs]

@@ -17,7 +17,7 @@ real CUDA device only.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 # The default process group's backend when CUDA is present: NCCL for CUDA tensors, gloo for
 # CPU tensors (object collectives, host-side metadata).
@@ -84,3 +84,23 @@ def host_device_type(backend: str | None) -> str | None:
     if not devices:
         return None
     return "cpu" if "cpu" in devices else next(iter(devices))
+
+
+def fake_to_meta(obj):
+    """``obj`` (nested dicts, lists, tuples) with every fake tensor replaced by a meta tensor
+    of its shape and dtype: what ``torch.save`` can write for a dry run (no data, the real
+    structure). Other values are returned as they are."""
+    if is_fake(obj):
+        with unset_fake_temporarily():
+            return torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device="meta")
+    if isinstance(obj, dict):
+        return type(obj)((k, fake_to_meta(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(fake_to_meta(v) for v in obj)
+    return obj
+
+
+def host_side():
+    """A context for host-side work that needs real values (data loading, key drawing) even
+    inside the dry run's fake-tensor mode; does nothing outside it."""
+    return unset_fake_temporarily()

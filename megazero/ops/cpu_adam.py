@@ -99,6 +99,8 @@ def adam_update_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     Returns True when such an element was met (always False without ``mask_nonfinite``).
     """
     _check_lists(params, grads, exp_avgs, exp_avg_sqs, copies)
+    if params and not cx.holds_data(params[0]):
+        return False  # fake tensors (the dry run): the in-place kernel allocates nothing
     wds = cx.per_tensor("weight_decay", weight_decay, len(params))
     ext = cx.get_extension("adam")
     kernel_ok = ext is not None and all(
@@ -154,7 +156,8 @@ def adam_update_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, be
         grad = g.float() * gs
         if mask_nonfinite:
             ok = torch.isfinite(grad)
-            found = found or not bool(ok.all())
+            # (a fake tensor of the dry run has no values: it counts as finite)
+            found = found or (cx.holds_data(ok) and not bool(ok.all()))
         if not adam_w_mode and wd != 0.0:
             grad = grad + p0 * cx.f32(wd)
         m1 = m * b1 + grad * omb1

@@ -156,7 +156,7 @@ def lamb_stage1_reference_(params, grads, exp_avgs, exp_avg_sqs, *, step, beta1,
         v1 = v * b2 + (grad * grad) * omb2
         if mask_nonfinite:
             ok = torch.isfinite(grad)
-            found = found or not bool(ok.all())
+            found = found or (cx.holds_data(ok) and not bool(ok.all()))
             m1, v1 = torch.where(ok, m1, m), torch.where(ok, v1, v)
         m.copy_(m1)
         v.copy_(v1)

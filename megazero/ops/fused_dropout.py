@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.autograd.function import once_differentiable
 
 from megazero.ops import fused_common as fc
@@ -32,8 +33,10 @@ _MIX_MUL2 = 0x846CA68B
 
 
 def draw_seed() -> int:
-    """A dropout seed from torch's current default CPU generator (advances it)."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+    """A dropout seed from torch's current default CPU generator (advances it); drawn on a
+    real tensor also inside the dry run's fake-tensor mode."""
+    with unset_fake_temporarily():
+        return int(torch.randint(0, 2**62, (1,)).item())
 
 
 def dropout_params(p: float) -> tuple[int, float]:

@@ -124,6 +124,10 @@ def fused_adam_step(param_fp32: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     Arithmetic: ``megazero.ops.cpu_adam`` module doc, with ``mask_nonfinite``.
     """
     _check_partition(param_fp32, grad, exp_avg, exp_avg_sq, model_param_out)
+    if not cx.holds_data(param_fp32):
+        # The dry run's fake tensors: the kernels update in place and allocate nothing, so
+        # neither does this (the reference's op-by-op temporaries would not be the job's).
+        return False
     segments = cx.normalize_segments(param_fp32.numel(), weight_decay)
     ext = cx.get_extension("adam")
     if ext is None or not (cx.kernel_ready(param_fp32, grad, exp_avg, exp_avg_sq,

@@ -17,7 +17,9 @@ import hashlib
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from megazero.distributed.device import is_fake
 from megazero.tensor_parallel.meta import (  # noqa: F401 - re-exported: the init spec types
     InitSpec,
     ShardInfo,
@@ -109,7 +111,10 @@ def _global_flat_index(local_shape, shard: ShardInfo, local_flat: np.ndarray | N
 
 
 def fill_shard(tensor: torch.Tensor, spec: InitSpec, shard: ShardInfo, key: int) -> torch.Tensor:
-    """Fill ``tensor`` (a local shard described by ``shard``) in place; padding gets zeros."""
+    """Fill ``tensor`` (a local shard described by ``shard``) in place; padding gets zeros.
+    A fake tensor (the dry run) has no values to fill: it is returned as it is."""
+    if is_fake(tensor):
+        return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else torch.empty(tensor.numel(),
                                                                         dtype=tensor.dtype)
     fill_flat_partition(flat, spec, shard, key, tensor.shape, 0)
@@ -149,8 +154,10 @@ def fill_flat_partition(flat: torch.Tensor, spec: InitSpec, shard: ShardInfo, ke
 
 
 def draw_key() -> int:
-    """A key from torch's default generator: the same on every rank seeded alike."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+    """A key from torch's default generator: the same on every rank seeded alike (drawn on a
+    real tensor, also inside the dry run's fake-tensor mode)."""
+    with unset_fake_temporarily():
+        return int(torch.randint(0, 2**62, (1,)).item())
 
 
 def initialize_parameters(module: torch.nn.Module, seed: int, prefix: str = "") -> None:

@@ -22,22 +22,25 @@ import numpy as np
 import torch
 
 from megazero.distributed import comm
+from megazero.distributed.device import host_side
 from megazero.distributed.parallel_state import ParallelState
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
 def _get_states() -> dict:
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
+    with host_side():  # generator states are host bytes, real also in the dry run
+        states = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
 def _set_states(states: dict) -> None:
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])
+    with host_side():
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"])
 
 
 class RNGStatesTracker:
@@ -62,10 +65,14 @@ class RNGStatesTracker:
         _set_states(saved)
 
     def get_states(self) -> dict:
-        return {name: {k: v.clone() for k, v in st.items()} for name, st in self.states.items()}
+        with host_side():
+            return {name: {k: v.clone() for k, v in st.items()}
+                    for name, st in self.states.items()}
 
     def set_states(self, states: dict) -> None:
-        self.states = {name: {k: v.clone() for k, v in st.items()} for name, st in states.items()}
+        with host_side():
+            self.states = {name: {k: v.clone() for k, v in st.items()}
+                           for name, st in states.items()}
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):

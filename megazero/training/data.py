@@ -18,6 +18,7 @@ from megazero.data.gpt_dataset import build_train_valid_test_datasets, get_ltor_
 from megazero.data.mock import MockGPTDataset
 from megazero.data.samplers import build_pretraining_data_loader
 from megazero.distributed import comm
+from megazero.distributed.device import host_side
 from megazero.distributed.parallel_state import ParallelState
 from megazero.tokenizer import build_tokenizer
 from megazero.tokenizer.null import NullTokenizer
@@ -88,13 +89,13 @@ class BatchIterator:
             num_workers=self.config.data.num_workers)
         # Creating a DataLoader iterator draws a seed from torch's default generator; keep
         # that out of the training RNG stream so a resumed run draws the same dropout masks.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), host_side():
             self._it = iter(self.loader)
 
     def __iter__(self):
         return self
 
-    def __next__(self):
+    def _next_host_batch(self) -> dict:
         try:
             raw = next(self._it)
         except StopIteration:
@@ -103,8 +104,12 @@ class BatchIterator:
             self.reset(0)
             raw = next(self._it)
         d = self.config.data
-        batch = get_ltor_batch(raw["text"].long(), self.eod, d.reset_position_ids,
-                               d.reset_attention_mask, d.eod_mask_loss)
+        return get_ltor_batch(raw["text"].long(), self.eod, d.reset_position_ids,
+                              d.reset_attention_mask, d.eod_mask_loss)
+
+    def __next__(self):
+        with host_side():  # samples are read on the host, real also in the dry run
+            batch = self._next_host_batch()
         return {k: v.to(self.ps.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 

@@ -100,9 +100,11 @@ class PretrainResult:
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func,
              config: MegazeroConfig, *, ps: ParallelState | None = None,
-             zero3_unit_policy=None) -> PretrainResult:
+             zero3_unit_policy=None, on_ready=None) -> PretrainResult:
     """Run Megatron-style pretraining (see the module docstring). ``zero3_unit_policy``:
-    which modules ZeRO-3 gathers together (``data_parallel.zero3_units``)."""
+    which modules ZeRO-3 gathers together (``data_parallel.zero3_units``); ``on_ready``:
+    called with the ``Trainer`` once everything is built and loaded, before the first
+    iteration (the dry run starts measuring there)."""
     start = time.time()
     ps = ps or init_distributed(config.parallel)
     setup_logging(ps)
@@ -132,6 +134,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     if ps.rank == 0:
         logger.info("setup done in %.1f s: %s, %d parameters on this rank", time.time() - start,
                     ps.describe(), sum(p.numel() for c in model for p in c.parameters()))
+    if on_ready is not None:
+        on_ready(trainer)
     state, tcfg = trainer.state, config.train
     if not tcfg.skip_train and state.iteration < iters:
         trainer.train(train_iter, valid_iter, iters, start)
