@@ -16,13 +16,13 @@ PACKAGE = ROOT / "megazero"
 # (modules under this prefix) may not import (these prefixes): DESIGN.md's dependency rules.
 LOWER = ("megazero.model", "megazero.data", "megazero.tokenizer", "megazero.checkpoint",
          "megazero.training", "megazero.inference", "megazero.tools", "megazero.engine",
-         "megazero.arguments")
+         "megazero.arguments", "megazero.dryrun")
 FORBIDDEN = {
     "megazero.config": ("megazero.",),
     "megazero.ops": tuple(f"megazero.{p}" for p in (
         "config", "distributed", "tensor_parallel", "pipeline_parallel", "data_parallel",
         "optim", "model", "data", "tokenizer", "checkpoint", "training", "inference", "tools",
-        "engine", "arguments")),
+        "engine", "arguments", "dryrun")),
     "megazero.distributed": ("megazero.tensor_parallel", "megazero.pipeline_parallel",
                              "megazero.data_parallel", "megazero.optim", "megazero.ops",
                              *LOWER),
@@ -38,22 +38,24 @@ FORBIDDEN = {
     "megazero.model": ("megazero.pipeline_parallel", "megazero.data_parallel",
                        "megazero.optim", "megazero.data", "megazero.tokenizer",
                        "megazero.checkpoint", "megazero.training", "megazero.inference",
-                       "megazero.tools", "megazero.engine", "megazero.arguments"),
+                       "megazero.tools", "megazero.engine", "megazero.arguments",
+                       "megazero.dryrun"),
     # data and tokenizers know parallelism only as integers passed in
     "megazero.data": ("megazero.distributed", "megazero.tensor_parallel",
                       "megazero.pipeline_parallel", "megazero.data_parallel", "megazero.optim",
                       "megazero.model", "megazero.checkpoint", "megazero.training",
-                      "megazero.inference", "megazero.tools", "megazero.engine"),
+                      "megazero.inference", "megazero.tools", "megazero.engine",
+                      "megazero.dryrun"),
     "megazero.tokenizer": ("megazero.distributed", "megazero.tensor_parallel",
                            "megazero.pipeline_parallel", "megazero.data_parallel",
                            "megazero.optim", "megazero.model", "megazero.data",
                            "megazero.checkpoint", "megazero.training", "megazero.inference",
-                           "megazero.tools", "megazero.engine"),
+                           "megazero.tools", "megazero.engine", "megazero.dryrun"),
     # checkpoints reach the optimizer through its methods, never its classes
     "megazero.checkpoint": ("megazero.pipeline_parallel", "megazero.data_parallel",
                             "megazero.optim", "megazero.model", "megazero.data",
                             "megazero.tokenizer", "megazero.training", "megazero.inference",
-                            "megazero.tools", "megazero.engine"),
+                            "megazero.tools", "megazero.engine", "megazero.dryrun"),
 }
 OLD_PARAM_ATTRIBUTES = ("mz_init", "mz_shard", "mz_name", "mz_local_shape", "mz_on_meta",
                         "_mz_zero3", "tensor_model_parallel", "partition_stride")

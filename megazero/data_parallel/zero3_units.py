@@ -106,9 +106,13 @@ class UnitGatherer:
         self.dtype, self.device = dtype, device
         self.prefetch, self.check_order = prefetch, check_order
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        # Buffers are made from this prototype (``new_empty``): gathers also run in module
+        # backward hooks, where a fake tensor (the dry run) carries its mode and a factory
+        # call might not.
+        self.proto = torch.empty(0, dtype=dtype, device=device)
         self.seq = 0  # collectives issued (order check)
         self.inflight: dict[int, tuple] = {}  # bucket -> (full buffer, work) of prefetches
-        self.storages: dict[int, tuple] = {}  # data_ptr of gathered buffers -> (unit, bucket)
+        self.storages: dict[int, tuple] = {}  # storage key of gathered buffers -> (unit, bucket)
         self.buffers: list = []  # weak references to every gathered buffer (diagnostics)
         self.hook_stack: list = []
         self.live_bytes = self.peak_live_bytes = 0
@@ -119,9 +123,9 @@ class UnitGatherer:
             return
         self.seq += 1
         codes = {"gather": 1, "prefetch": 1, "reduce": 2, "broadcast": 3}
-        mine = torch.tensor([codes[kind], index, self.seq], dtype=torch.int64,
-                            device=self.device)
-        everyone = torch.empty(3 * self.dp_size, dtype=torch.int64, device=self.device)
+        mine = self.proto.new_empty(3, dtype=torch.int64)
+        mine.copy_(torch.tensor([codes[kind], index, self.seq], dtype=torch.int64))
+        everyone = self.proto.new_empty(3 * self.dp_size, dtype=torch.int64)
         comm.all_gather_into(everyone, mine, self.dp_group)
         rows = everyone.view(self.dp_size, 3)
         if not host_all(rows == rows[0]):
@@ -137,7 +141,7 @@ class UnitGatherer:
     def _start_gather(self, b: int, async_op: bool):
         bucket = self.layout.buckets[b]
         self.check("gather", b)
-        full = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+        full = self.proto.new_empty(bucket.numel)
         self._account(bucket.numel)
         self.buffers.append(weakref.ref(full))
         work = comm.all_gather_into(full, self.owned_chunk(bucket), self.dp_group,
@@ -188,21 +192,21 @@ class UnitGatherer:
                 view = full[pr.start - bucket.start:pr.end - bucket.start]
                 pr.param.data = view.view(meta_of(pr.param).local_shape)
             unit.fulls[b] = full
-            self.storages[full.untyped_storage().data_ptr()] = (unit, b)
+            self.storages[_storage_key(full)] = (unit, b)
         unit.gathered = True
         unit.forward_uses = 0
 
     def release(self, unit: Unit) -> None:
         if not unit.gathered or unit.pins > 0 or self.dp_size == 1:
             return
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        empty = self.proto.new_empty(0)
         for b in unit.buckets:
             for pr in self.layout.buckets[b].params:
                 pr.param.data = empty
             self._account(-self.layout.buckets[b].numel)
             full = unit.fulls.pop(b, None)
             if full is not None:
-                self.storages.pop(full.untyped_storage().data_ptr(), None)
+                self.storages.pop(_storage_key(full), None)
         unit.gathered = False
 
     def release_all(self) -> None:
@@ -276,7 +280,7 @@ class UnitGatherer:
     def _pack(self, t: torch.Tensor):
         if t.device.type == "meta" or t.layout != torch.strided:
             return t
-        entry = self.storages.get(t.untyped_storage().data_ptr())
+        entry = self.storages.get(_storage_key(t))
         if entry is None:
             return t
         unit, b = entry
@@ -296,3 +300,9 @@ class UnitGatherer:
         saved tensor that escaped the pack hook): measured, unlike ``live_bytes``."""
         self.buffers = [r for r in self.buffers if r() is not None]
         return sum(r().numel() * r().element_size() for r in self.buffers)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage while it lives (the storage object's address: unlike the
+    data pointer it is distinct for storages without memory, as fake tensors' are)."""
+    return t.untyped_storage()._cdata

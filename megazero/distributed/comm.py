@@ -166,6 +166,7 @@ class CollectiveRecord:
     bytes: int  # bytes this rank sends (ring-algorithm accounting; p2p: the message)
     peer: int | None = None  # p2p: the other global rank
     device: str = ""
+    host: bool = False  # host-side traffic (object gathers) on the backend's CPU route
 
 
 def _native_rs(out, inp, group):
@@ -228,11 +229,11 @@ class Communicator:
                 f"backend needs {want} tensors: allocate it on ParallelState.device")
 
     def _record(self, op: str, tensor: torch.Tensor, group, nbytes: float,
-                peer: int | None = None) -> None:
+                peer: int | None = None, host: bool = False) -> None:
         if self.recording:
             self.records.append(CollectiveRecord(
                 self.group_name(group), op, tuple(tensor.shape), str(tensor.dtype).replace(
-                    "torch.", ""), int(nbytes), peer, str(tensor.device)))
+                    "torch.", ""), int(nbytes), peer, str(tensor.device), host))
 
     @contextlib.contextmanager
     def counting(self):
@@ -285,7 +286,7 @@ class Communicator:
         self.check_device(kind, input_, group, host)
         self.check_device(kind, output, group, host)
         self.stats.add(kind, (n - 1) * shard_nbytes, (n - 1) * shard_nbytes)
-        self._record(kind, input_, group, (n - 1) * shard_nbytes)
+        self._record(kind, input_, group, (n - 1) * shard_nbytes, host=host)
         return True, self._ring_for(group, kind, full_nbytes) if ring_ok else None
 
     def all_gather_into(self, output, input_, group=None, async_op=False, host=False):

@@ -6,16 +6,20 @@ given a category:
 
 * ``params``, ``grads``, ``main_params``, ``optimizer_states``: storages the optimizer holds
   (``tag``, from ``optimizer.state_tensors()``) after the model and optimizer are built;
-* ``activations``: storages allocated by a forward pass (outside the autograd engine) and
-  still alive, which is what forward passes keep for backward (saved tensors, outputs in
-  flight between pipeline stages);
+* ``activations``: storages allocated inside a forward step (``forward_step`` wraps the
+  user's forward step and loss function; recompute inside backward does not count) and
+  still alive: what forward passes keep for backward (saved tensors, outputs in flight
+  between pipeline stages);
 * ``temporaries``: everything else allocated while training (backward, recompute, gathered
   ZeRO-3 parameters, reduction buffers, the step's scratch);
 * ``other``: live storages from before training that no category claims (buffers, data).
 
 Bytes are counted per device type, so ``--cpu-offload``'s host states do not mix with the
 accelerator's. ``peak()`` is the highest live total of a device with its breakdown at that
-moment. The same tracker runs over fake tensors (the dry run: shapes without memory) and real
+moment, plus each category's own highest live total (``max_<category>``: for activations,
+what the forward passes in flight keep at most, whichever op the total peaked at). Scratch
+a collective's backend returns is not counted (gloo's, which NCCL does not have). The same
+tracker runs over fake tensors (the dry run: shapes without memory) and real
 ones (a gloo run), which is how the dry run's figures are checked against a real run.
 """
 
@@ -46,11 +50,18 @@ class MemoryTracker(TorchDispatchMode):
         self.totals: dict[str, int] = defaultdict(int)  # device -> live bytes
         self.peaks: dict[str, int] = defaultdict(int)
         self.peak_breakdown: dict[str, dict[str, int]] = {}
+        self.category_peaks: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.training = False  # set by the dry run once the model and optimizer exist
+        self._forward_depth = 0
 
     # ---- allocation events ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" or func.is_view:
+            # A view allocates nothing (its storage was counted when it was made, or is not
+            # ours: gloo splits a scratch copy of a reduce-scatter's input, which NCCL does
+            # not make); a collective writes into the caller's buffers.
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t)
@@ -60,8 +71,25 @@ class MemoryTracker(TorchDispatchMode):
         if not self.training:
             return "other"
         in_backward = torch._C._current_graph_task_id() != -1
-        return "temporaries" if in_backward or torch.is_grad_enabled() is False \
-            else "activations"
+        return "activations" if self._forward_depth > 0 and not in_backward \
+            else "temporaries"
+
+    def forward_step(self, forward_step_func):
+        """``forward_step_func`` (and the loss function it returns) with their allocations
+        counted as activations."""
+        def counted(fn):
+            def run(*args, **kwargs):
+                self._forward_depth += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._forward_depth -= 1
+            return run
+
+        def step(data_iterator, model):
+            output, loss_func = counted(forward_step_func)(data_iterator, model)
+            return output, counted(loss_func)
+        return step
 
     def track(self, t: torch.Tensor, category: str | None = None) -> None:
         """Count ``t``'s storage (once) from now until it is freed."""
@@ -77,6 +105,8 @@ class MemoryTracker(TorchDispatchMode):
             ref = weakref.ref(st, lambda _, k=key: self._free(k))
             self._live[key] = (ref, n, dev, cat)
             self.current[dev][cat] += n
+            self.category_peaks[dev][cat] = max(self.category_peaks[dev][cat],
+                                                self.current[dev][cat])
             self.totals[dev] += n
             if self.totals[dev] > self.peaks[dev]:
                 self.peaks[dev] = self.totals[dev]
@@ -112,6 +142,7 @@ class MemoryTracker(TorchDispatchMode):
             for dev, total in self.totals.items():
                 self.peaks[dev] = total
                 self.peak_breakdown[dev] = dict(self.current[dev])
+                self.category_peaks[dev] = defaultdict(int, self.current[dev])
 
     # ---- reports -------------------------------------------------------------------------
     def live_bytes(self, device_type: str, category: str | None = None) -> int:
@@ -122,5 +153,7 @@ class MemoryTracker(TorchDispatchMode):
     def peak(self, device_type: str) -> dict:
         """{"peak_bytes": ..., <category>: bytes at that moment} for one device type."""
         breakdown = self.peak_breakdown.get(device_type, {})
+        maxima = self.category_peaks.get(device_type, {})
         return {"peak_bytes": self.peaks.get(device_type, 0),
-                **{c: breakdown.get(c, 0) for c in CATEGORIES}}
+                **{c: breakdown.get(c, 0) for c in CATEGORIES},
+                **{f"max_{c}": maxima.get(c, 0) for c in CATEGORIES}}

@@ -3,11 +3,12 @@
 JSON keys (bytes are per rank, on the job's device unless prefixed ``host_``):
 ``rank``, ``world_size``, ``device``, ``layout`` (tp, pp, dp, virtual, coordinates),
 ``param_count``, ``param_bytes``, ``grad_bytes``, ``main_param_bytes``,
-``optimizer_state_bytes``, ``activation_bytes``, ``temporary_bytes``, ``peak_bytes`` (the
-training iterations' peak of live tensor bytes and its breakdown), ``checkpoint_bytes``
-(what one save writes from this rank), ``collectives`` (a list of {group, ranks, op, calls,
-bytes, dtype}: bytes this rank sends), ``p2p`` (the schedule's point-to-point pattern:
-{op, peer, shape, dtype, calls, bytes}), ``checks`` and ``notes``.
+``optimizer_state_bytes``, ``activation_bytes`` (the most bytes the forward passes in flight
+hold at once), ``temporary_bytes`` (other training allocations alive at the peak),
+``peak_bytes`` (the training iterations' peak of live tensor bytes; ``peak_breakdown``),
+``checkpoint_bytes`` (what one save writes from this rank), ``collectives`` (a list of
+{group, ranks, op, calls, bytes, dtype}: bytes this rank sends), ``p2p`` (the schedule's
+point-to-point pattern: {op, peer, shape, dtype, calls, bytes}), ``checks`` and ``notes``.
 
 ``compare_sequences`` and ``compare_p2p`` match two ranks' recorded collectives.
 """
@@ -34,7 +35,9 @@ def _shared_groups(a, b, kind: str) -> list[str]:
 
 
 def _sequence(run, group: str) -> list[tuple]:
-    return [(r.op, r.shape, r.dtype) for r in run.records
+    """(op, shape, dtype) of each collective on ``group``; host-side object gathers carry
+    payloads whose sizes depend on values (agreed at run time), so only their op counts."""
+    return [(r.op, () if r.host else r.shape, r.dtype) for r in run.records
             if r.group == group and r.peer is None]
 
 
@@ -83,10 +86,11 @@ def _aggregate_collectives(run) -> list[dict]:
     for r in run.records:
         if r.peer is not None:
             continue
-        key = (r.group, r.op, r.dtype)
+        key = (r.group, r.op, r.dtype, r.host)
         row = rows.setdefault(key, {"group": r.group, "ranks": _span(ranks.get(r.group)),
                                     "op": r.op, "calls": 0, "bytes": 0, "dtype": r.dtype,
-                                    "device": r.device})
+                                    "device": r.device, "route": "host" if r.host
+                                    else "device"})
         row["calls"] += 1
         row["bytes"] += r.bytes
     return list(rows.values())
@@ -139,18 +143,21 @@ class Report(dict):
         for key, label in (("param_bytes", "parameters"), ("grad_bytes", "gradients"),
                            ("main_param_bytes", "main parameters (fp32)"),
                            ("optimizer_state_bytes", "optimizer states"),
-                           ("activation_bytes", "activations at the peak"),
+                           ("activation_bytes", "activations (most in flight)"),
                            ("temporary_bytes", "temporaries at the peak"),
                            ("peak_bytes", "peak (training iterations)")):
             lines.append(f"  {label:<28}{gib(self[key])}")
         for key in sorted(k for k in self if k.startswith("host_")):
             lines.append(f"  {key.replace('_', ' '):<28}{gib(self[key])}")
         lines.append(f"  {'checkpoint (one save)':<28}{gib(self['checkpoint_bytes'])}")
-        lines += ["", "collectives per iteration-run (this rank sends)",
-                  f"  {'group':<10}{'op':<16}{'dtype':<10}{'calls':>7}{'bytes':>16}  ranks"]
+        lines += ["", f"collectives of the {self['iterations']} iterations and the save (bytes "
+                      "this rank sends; host: object gathers on the CPU route)",
+                  f"  {'group':<10}{'op':<16}{'dtype':<10}{'device':<8}{'calls':>7}"
+                  f"{'bytes':>16}  ranks"]
         for c in self["collectives"]:
-            lines.append(f"  {c['group']:<10}{c['op']:<16}{c['dtype']:<10}{c['calls']:>7}"
-                         f"{c['bytes']:>16,}  {c['ranks']}")
+            where = "host" if c["route"] == "host" else c["device"]
+            lines.append(f"  {c['group']:<10}{c['op']:<16}{c['dtype']:<10}{where:<8}"
+                         f"{c['calls']:>7}{c['bytes']:>16,}  {c['ranks']}")
         lines += ["", "pipeline p2p"]
         if not self["p2p"]:
             lines.append("  none (one pipeline stage)")
@@ -193,7 +200,7 @@ def build_report(config, opts, run, checks: dict) -> Report:
         param_bytes=run.states["params"], grad_bytes=run.states["grads"],
         main_param_bytes=run.states["main_params"],
         optimizer_state_bytes=run.states["optimizer_states"],
-        activation_bytes=peak["activations"], temporary_bytes=peak["temporaries"],
+        activation_bytes=peak["max_activations"], temporary_bytes=peak["temporaries"],
         peak_bytes=peak["peak_bytes"], peak_breakdown=peak,
         checkpoint_bytes=sum(run.checkpoint.values()), checkpoint_files=run.checkpoint,
         memory_report=run.memory_report,

@@ -35,7 +35,7 @@ from megazero.config import ConfigError, MegazeroConfig
 from megazero.distributed.device import MAPPED_BACKEND
 from megazero.distributed.parallel_state import ParallelState, coords_of
 from megazero.dryrun import fake_cuda
-from megazero.dryrun.memory import MemoryTracker
+from megazero.dryrun.memory import STATE_CATEGORIES, MemoryTracker
 from megazero.dryrun.report import build_report, compare_p2p, compare_sequences
 from megazero.training import pretrain
 
@@ -112,15 +112,48 @@ def _fake_cuda_runtime(device: str):
         torch.cuda.get_device_capability = saved
 
 
+def measured_pretrain(cfg: MegazeroConfig, ps: ParallelState, providers,
+                      tracker: MemoryTracker) -> dict:
+    """``pretrain`` under ``tracker`` (already entered): model states tagged once built, the
+    training iterations' peak noted before the save. Runs the same on fake and on real
+    tensors (a gloo run measured the same way is what the dry run is checked against)."""
+    datasets_provider, model_provider, forward_step_func, unit_policy = providers
+    seen = {}
+
+    def on_ready(trainer):
+        seen["optimizer"] = trainer.optimizer
+        tracker.tag(trainer.optimizer.state_tensors())
+        tracker.training = True
+        tracker.reset_peak()
+        save = trainer.save
+
+        def save_and_note():
+            seen.setdefault("train_peak", {d: tracker.peak(d) for d in tracker.peaks})
+            tracker.training = False
+            save()
+        trainer.save = save_and_note
+
+    result = pretrain(datasets_provider, model_provider, tracker.forward_step(forward_step_func),
+                      cfg, ps=ps, zero3_unit_policy=unit_policy, on_ready=on_ready)
+    dev = ps.device.type
+    states = {c: tracker.live_bytes(dev, c) for c in STATE_CATEGORIES}
+    if dev != "cpu":
+        states.update({f"host_{c}": tracker.live_bytes("cpu", c) for c in STATE_CATEGORIES
+                       if tracker.live_bytes("cpu", c)})
+    return {"states": states, "memory_report": seen["optimizer"].memory_report(),
+            "train_peak": seen.get("train_peak") or {d: tracker.peak(d)
+                                                    for d in tracker.peaks},
+            "param_count": sum(p.numel() for c in result.model for p in c.parameters())}
+
+
 def run_rank(config: MegazeroConfig, opts: DryRunOptions, rank: int, providers) -> RankRun:
     """Dry-run global ``rank`` (see the module docstring)."""
-    datasets_provider, model_provider, forward_step_func, unit_policy = providers
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="megazero-dryrun-") as save_dir:
         cfg = dry_run_config(config, opts, save_dir)
         dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                 world_size=opts.world_size)
-        tracker, seen = MemoryTracker(), {}
+        tracker = MemoryTracker()
         try:
             with _fake_cuda_runtime(opts.device), \
                     FakeTensorMode(allow_non_fake_inputs=True), tracker:
@@ -130,35 +163,13 @@ def run_rank(config: MegazeroConfig, opts: DryRunOptions, rank: int, providers) 
                     cfg.parallel, device=device,
                     comm_backend=MAPPED_BACKEND if opts.device == "cuda" else "gloo")
                 ps.comm.recording = True
-
-                def on_ready(trainer):
-                    seen["optimizer"] = trainer.optimizer
-                    tracker.tag(trainer.optimizer.state_tensors())
-                    tracker.training = True
-                    tracker.reset_peak()
-                    save = trainer.save
-
-                    def save_and_note():
-                        seen["train_peak"] = {d: tracker.peak(d) for d in tracker.peaks}
-                        tracker.training = False
-                        save()
-                    trainer.save = save_and_note
-
-                result = pretrain(datasets_provider, model_provider, forward_step_func, cfg,
-                                  ps=ps, zero3_unit_policy=unit_policy, on_ready=on_ready)
-                optimizer = seen["optimizer"]
-                states = {c: tracker.live_bytes(opts.device, c) for c in ("params", "grads", "main_params", "optimizer_states")}
-                host = {c: tracker.live_bytes("cpu", c) for c in
-                        ("grads", "main_params", "optimizer_states")} \
-                    if opts.device != "cpu" else {}
-                states.update({f"host_{c}": v for c, v in host.items() if v})
-                param_count = sum(p.numel() for c in result.model for p in c.parameters())
+                measured = measured_pretrain(cfg, ps, providers, tracker)
                 checkpoint = _checkpoint_files(save_dir)
         finally:
             dist.destroy_process_group()
-    return RankRun(rank, ps, tracker, list(ps.comm.records), states,
-                   optimizer.memory_report(), seen.get("train_peak", {}), checkpoint,
-                   time.time() - start, param_count)
+    return RankRun(rank, ps, tracker, list(ps.comm.records), measured["states"],
+                   measured["memory_report"], measured["train_peak"], checkpoint,
+                   time.time() - start, measured["param_count"])
 
 
 def _checkpoint_files(root: str) -> dict:
