@@ -240,7 +240,7 @@ def _add_dry_run_args(parser):
                    help="the job's world size (needed with --dry-run-rank)")
     g.add_argument("--dry-run-device", choices=["cuda", "cpu"], default="cuda",
                    help="the job's device (cuda works on a CPU-only torch)")
-    g.add_argument("--dry-run-iters", type=int, default=2, help="training iterations to run")
+    g.add_argument("--dry-run-iters", type=int, default=1, help="training iterations to run")
     g.add_argument("--dry-run-report", default=None, help="also write the report as JSON here")
     g.add_argument("--no-dry-run-check-peers", dest="dry_run_check_peers",
                    action="store_false", default=True,

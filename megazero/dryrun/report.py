@@ -207,7 +207,9 @@ def build_report(config, opts, run, checks: dict) -> Report:
         collectives=_aggregate_collectives(run), p2p=_aggregate_p2p(run), checks=checks,
         notes=["tensors are fake (shapes without memory) and groups are torch's fake process "
                "group: values read on the host (loss, grad norm) are zeros",
-               "compiled kernels take their PyTorch reference paths on fake tensors",
+               "fused model ops run their PyTorch reference paths on fake tensors; the "
+               "in-place optimizer kernels (Adam, the fused ZeRO step) allocate nothing and "
+               "are skipped",
                "data are synthetic tokens of the job's shapes (--mock-data)"])
     report.update({k: v for k, v in run.states.items() if k.startswith("host_")})
     return report

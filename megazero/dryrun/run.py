@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 import time
@@ -37,6 +38,7 @@ from megazero.distributed.parallel_state import ParallelState, coords_of
 from megazero.dryrun import fake_cuda
 from megazero.dryrun.memory import STATE_CATEGORIES, MemoryTracker
 from megazero.dryrun.report import build_report, compare_p2p, compare_sequences
+from megazero.tensor_parallel.meta import meta_of
 from megazero.training import pretrain
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class DryRunOptions:
     rank: int
     world_size: int
     device: str = "cuda"
-    iters: int = 2
+    iters: int = 1
     report: str | None = None
     check_peers: bool = True
 
@@ -143,7 +145,9 @@ def measured_pretrain(cfg: MegazeroConfig, ps: ParallelState, providers,
     return {"states": states, "memory_report": seen["optimizer"].memory_report(),
             "train_peak": seen.get("train_peak") or {d: tracker.peak(d)
                                                     for d in tracker.peaks},
-            "param_count": sum(p.numel() for c in result.model for p in c.parameters())}
+            # local shapes: ZeRO-3 has released the parameters' storage by now
+            "param_count": sum(math.prod(meta_of(p).local_shape)
+                               for c in result.model for p in c.parameters())}
 
 
 def run_rank(config: MegazeroConfig, opts: DryRunOptions, rank: int, providers) -> RankRun:
