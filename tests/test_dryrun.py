@@ -17,16 +17,19 @@ import os
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 import pretrain_gpt2
 from megazero.arguments import parse_args
+from megazero.distributed.comm import CollectiveRecord
 from megazero.distributed.device import expected_device_type, host_device_type, parse_backend
 from megazero.distributed.init import init_distributed
 from megazero.dryrun import fake_cuda
 from megazero.dryrun.memory import MemoryTracker
+from megazero.dryrun.report import compare_p2p, compare_sequences
 from megazero.dryrun.run import DryRunOptions, dry_run_config, measured_pretrain
 from tests.dist_helper import run_distributed
 
@@ -171,3 +174,41 @@ def test_predicted_memory_equals_measured(flags, world):
                           ("peak_bytes", "peak_bytes")):
         assert abs(report[key] - mine["peak"][real_key]) <= 0.1 * mine["peak"][real_key], \
             (key, report[key], mine["peak"])
+
+
+def _fake_run(rank, records, **ranks):
+    ps = SimpleNamespace(**{f"{k}_ranks": v for k, v in ranks.items()})
+    return SimpleNamespace(rank=rank, ps=ps, records=records)
+
+
+def test_sequence_comparison_finds_the_first_divergence():
+    def rec(op, shape, group="dp", peer=None):
+        return CollectiveRecord(group, op, shape, "bfloat16", 8, peer, "cuda:0")
+
+    groups = dict(mp=[0], embedding=[])
+    same = [rec("reduce_scatter", (8,)), rec("all_gather", (4,))]
+    a = _fake_run(0, same, **groups)
+    assert compare_sequences(a, _fake_run(2, list(same), **groups), "dp")["ok"]
+    b = _fake_run(2, [rec("reduce_scatter", (8,)), rec("all_gather", (6,))], **groups)
+    result = compare_sequences(a, b, "dp")
+    assert not result["ok"]
+    div = result["groups"]["dp"]["first_divergence"]
+    assert div["index"] == 1 and "[4]" in div["rank 0"] and "[6]" in div["rank 2"]
+    c = _fake_run(2, same[:1], **groups)  # one collective short: rank 0 would hang
+    assert compare_sequences(a, c, "dp")["groups"]["dp"]["first_divergence"]["rank 2"] \
+        == "nothing more"
+    # p2p: what 0 sends 4 is what 4 receives from 0
+    s = _fake_run(0, [rec("send", (16, 2, 8), "pp", 4)], **groups)
+    r = _fake_run(4, [rec("recv", (16, 2, 8), "pp", 0)], **groups)
+    assert compare_p2p(s, r)["ok"]
+    r_bad = _fake_run(4, [rec("recv", (16, 1, 8), "pp", 0)], **groups)
+    assert not compare_p2p(s, r_bad)["ok"]
+
+
+def test_dry_run_rejects_an_impossible_layout():
+    done = subprocess.run(
+        [sys.executable, "pretrain_gpt2.py", *SMALL.split(), "--tensor-model-parallel-size",
+         "8", "--dry-run-rank", "0", "--dry-run-world-size", "12", "--dry-run-device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "world size (12) is not divisible by --tensor-model-parallel-size (8)" in done.stderr

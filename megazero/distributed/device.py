@@ -16,6 +16,8 @@ real CUDA device only.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
@@ -94,9 +96,17 @@ def fake_to_meta(obj):
         with unset_fake_temporarily():
             return torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device="meta")
     if isinstance(obj, dict):
-        return type(obj)((k, fake_to_meta(v)) for k, v in obj.items())
+        items = {k: fake_to_meta(v) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj  # nothing fake inside: the object itself, not a copy
+        out = copy.copy(obj)
+        out.update(items)
+        return out
     if isinstance(obj, (list, tuple)):
-        return type(obj)(fake_to_meta(v) for v in obj)
+        items = [fake_to_meta(v) for v in obj]
+        if all(x is v for x, v in zip(items, obj)):
+            return obj
+        return type(obj)(items)
     return obj
 
 
