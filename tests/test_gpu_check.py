@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megazero.arguments import parse_args
+from megazero.training.log import flops_per_iteration
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
@@ -60,6 +63,20 @@ def test_flops_match_the_matrix_products():
         model_flops_by_hand(B, S, L, H, V), rel=1e-12)
     assert report.flops_per_iteration(16, 256, 4, 256, 4096) == pytest.approx(
         model_flops_by_hand(16, 256, 4, 256, 4096), rel=1e-12)
+
+
+def test_the_log_lines_flops_are_the_matrix_products():
+    """megazero.training.log's TFLOP/s per rank uses the same count (and, with recompute,
+    one more forward of the transformer layers but not of the output layer)."""
+    config = parse_args(f"--num-layers {L} --hidden-size {H} --num-attention-heads 16 "
+                        f"--seq-length {S} --global-batch-size {B}".split())
+    config.model.vocab_size = V
+    assert flops_per_iteration(config) == pytest.approx(model_flops_by_hand(B, S, L, H, V),
+                                                        rel=1e-12)
+    config.model.recompute_activations = True
+    logits = 3 * 2 * B * S * H * V
+    assert flops_per_iteration(config) == pytest.approx(
+        (model_flops_by_hand(B, S, L, H, V) - logits) * 4 / 3 + logits, rel=1e-12)
 
 
 def test_throughput_and_mfu_of_a_synthetic_log():

@@ -34,13 +34,15 @@ def is_log_rank(ps: ParallelState) -> bool:
 
 
 def flops_per_iteration(config: MegazeroConfig) -> float:
-    """Megatron's GPT FLOPs per iteration: 24 f B s L h^2 (1 + s/6h + V/16Lh), f = 3 forward +
-    backward, 4 with activation recompute (Narayanan et al., 2021)."""
+    """Megatron's GPT FLOPs per iteration (Narayanan et al., 2021): the transformer layers'
+    24 f B s L h^2 (1 + s/6h), f = 3 passes (forward + backward), 4 with activation recompute,
+    plus the output layer's 6 B s h V, which recompute does not repeat. With recompute this is
+    their 96 B s L h^2 (1 + s/6h + V/16Lh); without, 72 B s L h^2 (1 + s/6h + V/12Lh)."""
     m, t = config.model, config.train
     b, s, layers, h = t.global_batch_size, m.seq_length, m.num_layers, m.hidden_size
     factor = 4 if m.recompute_activations else 3
     v = m.vocab_size or 0
-    return 24 * factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    return 24 * factor * b * s * layers * h * h * (1 + s / (6 * h)) + 6 * b * s * h * v
 
 
 def training_log_line(config: MegazeroConfig, ps: ParallelState, *, iteration: int, iters: int,
