@@ -164,6 +164,12 @@ def _add_training_args(parser):
     g.add("--seed", type=int)
     g.add("--exit-interval", type=int)
     g.add("--exit-duration-in-mins", type=float)
+    g.add("--exit-signal-handler", action="store_true",
+          help="on --exit-signal, all ranks finish the iteration, save and exit 0")
+    g.add("--exit-signal", help="the signal --exit-signal-handler catches (default SIGTERM)")
+    g.add("--max-consecutive-skipped-iterations", type=int,
+          help="stop with an error after this many skipped (non-finite) iterations in a row "
+               "(0: never)")
     g.add("--skip-train", action="store_true")
 
     g = _Flags(parser, "logging and evaluation", TrainConfig)
@@ -183,6 +189,9 @@ def _add_training_args(parser):
     g.add("--save")
     g.add("--load")
     g.add("--save-interval", type=int)
+    g.add("--no-verify-checkpoint", field="verify_checkpoint", action="store_false",
+          help="skip the checksums of loaded checkpoint files (their coordinates are always "
+               "checked)")
     for name in ("no-save-optim", "no-save-rng", "no-load-optim", "no-load-rng", "finetune",
                  "use-checkpoint-args"):
         g.add(f"--{name}", action="store_true")

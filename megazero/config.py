@@ -269,6 +269,10 @@ class TrainConfig:
     use_checkpoint_args: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False  # save and exit 0 at the end of the iteration on a signal
+    exit_signal: str = "SIGTERM"
+    max_consecutive_skipped_iterations: int = 50  # 0: never stop on skipped iterations
+    verify_checkpoint: bool = True  # checksums of loaded files (coordinates always checked)
     tensorboard_dir: str | None = None
     log_timers: bool = False
     log_memory: bool = False
