@@ -69,6 +69,12 @@ class OfflineGroupError(RuntimeError):
     """A collective was called on an ``OfflineGroup`` (no processes to talk to)."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective or point-to-point message failed (a peer died, froze past the group's
+    timeout, or issued a different collective); the message names the group, the operation
+    and, for point-to-point, the peer."""
+
+
 class CollectiveDeviceError(RuntimeError):
     """A collective got a tensor on a device its group's backend cannot carry (a CPU tensor
     on NCCL, a CUDA tensor on gloo)."""
@@ -228,6 +234,33 @@ class Communicator:
                 f"on {tensor.device} (shape {tuple(tensor.shape)}, {tensor.dtype}); this "
                 f"backend needs {want} tensors: allocate it on ParallelState.device")
 
+    def _run(self, op: str, group, call, peer: int | None = None):
+        """``call()`` (a torch.distributed operation), its failure re-raised as a
+        ``CollectiveError`` naming ``op``, the group and the peer; async works are wrapped so
+        that ``wait()`` does the same."""
+        try:
+            work = call()
+        except RuntimeError as exc:
+            raise self.failure(op, group, exc, peer) from exc
+        return _NamedWork(work, self, op, group, peer) if work is not None else None
+
+    def named_work(self, work, op: str, group, peer: int | None = None):
+        """``work`` (posted elsewhere) whose ``wait()`` failure names op, group and peer."""
+        return _NamedWork(work, self, op, group, peer) if work is not None else None
+
+    def failure(self, op: str, group, exc: BaseException, peer: int | None = None):
+        ranks = ""
+        if group is not None and dist.is_available() and dist.is_initialized():
+            try:
+                ranks = f" (ranks {dist.get_process_group_ranks(group)})"
+            except (RuntimeError, ValueError):
+                ranks = ""
+        who = f" with rank {peer}" if peer is not None else ""
+        return CollectiveError(
+            f"{op}{who} on the {self.group_name(group)} group{ranks} failed: a rank of the "
+            f"group is dead, frozen past --distributed-timeout-minutes, or issued a different "
+            f"collective. {type(exc).__name__}: {exc}")
+
     def _record(self, op: str, tensor: torch.Tensor, group, nbytes: float,
                 peer: int | None = None, host: bool = False) -> None:
         if self.recording:
@@ -271,7 +304,8 @@ class Communicator:
         b = _nbytes(tensor)
         self.stats.add("all_reduce", 2 * (n - 1) / n * b, 2 * (n - 1) / n * b)
         self._record("all_reduce", tensor, group, 2 * (n - 1) / n * b)
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return self._run("all_reduce", group, lambda: dist.all_reduce(
+            tensor, op=op, group=group, async_op=async_op))
 
     def _begin(self, kind, output, input_, group, shard_nbytes, full_nbytes, ring_ok=True,
                host=False):
@@ -297,10 +331,11 @@ class Communicator:
         if not active:
             return None
         if ring is not None:
-            return ring.all_gather(output.view(-1), input_.reshape(-1), async_op=async_op)
+            return self._run("all_gather", group, lambda: ring.all_gather(
+                output.view(-1), input_.reshape(-1), async_op=async_op))
         # 1-D views: gloo splits the output along dim 0 into n equal chunks of the input's shape.
-        return _all_gather_single(output.view(-1), input_.reshape(-1), group=group,
-                                  async_op=async_op)
+        return self._run("all_gather", group, lambda: _all_gather_single(
+            output.view(-1), input_.reshape(-1), group=group, async_op=async_op))
 
     def reduce_scatter_into(self, output, input_, group=None, op=dist.ReduceOp.SUM,
                             async_op=False, overwrite_input=False):
@@ -313,10 +348,11 @@ class Communicator:
         if not active:
             return None
         if ring is not None:
-            return ring.reduce_scatter(output.view(-1), input_.reshape(-1),
-                                       overwrite_input=overwrite_input, async_op=async_op)
-        return _reduce_scatter_single(output.view(-1), input_.reshape(-1), op=op, group=group,
-                                      async_op=async_op)
+            return self._run("reduce_scatter", group, lambda: ring.reduce_scatter(
+                output.view(-1), input_.reshape(-1), overwrite_input=overwrite_input,
+                async_op=async_op))
+        return self._run("reduce_scatter", group, lambda: _reduce_scatter_single(
+            output.view(-1), input_.reshape(-1), op=op, group=group, async_op=async_op))
 
     def broadcast(self, tensor, src: int, group=None, async_op=False):
         """Broadcast from global rank ``src`` of ``group``."""
@@ -328,7 +364,8 @@ class Communicator:
         b = _nbytes(tensor)
         self.stats.add("broadcast", (n - 1) / n * b, (n - 1) / n * b)
         self._record("broadcast", tensor, group, (n - 1) / n * b)
-        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        return self._run("broadcast", group, lambda: dist.broadcast(
+            tensor, src=src, group=group, async_op=async_op))
 
     def all_gather_object(self, obj, group=None) -> list:
         """Gather a picklable object of tensors and plain values from every rank of
@@ -364,7 +401,7 @@ class Communicator:
     def barrier(self, group=None) -> None:
         _require_online(group, "barrier")
         if group_size(group) > 1:
-            dist.barrier(group=group)
+            self._run("barrier", group, lambda: dist.barrier(group=group))
 
     def count_p2p(self, sent: int, received: int) -> None:
         """Account a point-to-point message posted elsewhere (batched p2p ops)."""
@@ -381,22 +418,38 @@ class Communicator:
     def send(self, tensor, dst: int, group=None):
         _require_online(group, "send")
         self.p2p_posted("send", tensor, dst, group)
-        dist.send(tensor, dst, group=group)
+        self._run("send", group, lambda: dist.send(tensor, dst, group=group), dst)
 
     def recv(self, tensor, src: int, group=None):
         _require_online(group, "recv")
         self.p2p_posted("recv", tensor, src, group)
-        dist.recv(tensor, src, group=group)
+        self._run("recv", group, lambda: dist.recv(tensor, src, group=group), src)
 
     def isend(self, tensor, dst: int, group=None):
         _require_online(group, "isend")
         self.p2p_posted("send", tensor, dst, group)
-        return dist.isend(tensor, dst, group=group)
+        return self._run("send", group, lambda: dist.isend(tensor, dst, group=group), dst)
 
     def irecv(self, tensor, src: int, group=None):
         _require_online(group, "irecv")
         self.p2p_posted("recv", tensor, src, group)
-        return dist.irecv(tensor, src, group=group)
+        return self._run("recv", group, lambda: dist.irecv(tensor, src, group=group), src)
+
+
+class _NamedWork:
+    """An async work whose failure in ``wait()`` names the collective, group and peer."""
+
+    def __init__(self, work, comm: Communicator, op: str, group, peer):
+        self.work, self._comm, self._op, self._group, self._peer = work, comm, op, group, peer
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self.work.wait(*args, **kwargs)
+        except RuntimeError as exc:
+            raise self._comm.failure(self._op, self._group, exc, self._peer) from exc
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 # Plain collectives for groups bound to no communicator: uncounted, never on the ring. It

@@ -7,7 +7,8 @@ of one in memory (no port, no file). With CUDA available the default group is de
 go over NCCL and CPU tensors (object gathers, host-side metadata) keep a route over gloo.
 Without CUDA it is gloo. ``--distributed-backend nccl`` asks for the mapped backend too,
 ``gloo`` for plain gloo. Collectives time out after ``--distributed-timeout-minutes``
-instead of hanging.
+instead of hanging, on every group (``ParallelState`` gives the timeout to each group it
+creates); under NCCL the watchdog's async error handling is on (``NCCL_ENV_DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from megazero.distributed.device import MAPPED_BACKEND
 from megazero.distributed.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
+
+
+# NCCL's watchdog turns a collective stuck past the group's timeout into an exception on the
+# rank's next wait (communicators aborted, the process not killed), instead of a silent hang:
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 ("clean up only"). Set the variable yourself to choose
+# another policy (1 also tears the process down; 0 turns the watchdog's handling off).
+NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def default_backend() -> str:
@@ -47,6 +55,9 @@ def init_distributed(parallel: ParallelConfig | None = None) -> ParallelState:
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("--distributed-backend nccl needs CUDA; use gloo on CPU")
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+    if backend == "nccl":
+        for key, value in NCCL_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
     if not dist.is_initialized():
         if launched_by_torchrun():
             if backend == "nccl":

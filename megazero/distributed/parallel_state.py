@@ -25,6 +25,7 @@ megazero short-circuits, so the same code runs as plain single-process PyTorch.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +93,8 @@ class ParallelState:
     @classmethod
     def build(cls, tp_size: int = 1, pp_size: int = 1, *, virtual_pp_size: int | None = None,
               device: torch.device | str | None = None,
-              ring_policy: str = "auto", comm_backend: str | None = None) -> ParallelState:
+              ring_policy: str = "auto", comm_backend: str | None = None,
+              timeout: datetime.timedelta | None = None) -> ParallelState:
         """Create the groups for this process. Every rank must call this with the same sizes.
 
         Without an initialised torch.distributed, only a world of one process is allowed.
@@ -100,6 +102,8 @@ class ParallelState:
         "ring" or "native" reduce-scatter/all-gather on gloo; ``comm_backend``: the backend
         its device checks assume instead of the groups' own, for the dry run's fake groups).
         The device defaults to ``cuda:<current>`` when the backend carries CUDA tensors.
+        Every group gets ``timeout`` (``--distributed-timeout-minutes``): a collective a peer
+        never joins (a dead or frozen rank) fails after it instead of hanging.
         """
         if dist.is_available() and dist.is_initialized():
             world, rank = dist.get_world_size(), dist.get_rank()
@@ -122,7 +126,7 @@ class ParallelState:
             for ranks in grid[kind]:
                 # new_group is collective over the whole world: every rank creates every group,
                 # in the same order, and keeps the one it belongs to.
-                group = dist.new_group(ranks) if distributed else None
+                group = dist.new_group(ranks, timeout=timeout) if distributed else None
                 if rank in ranks:
                     setattr(state, f"{kind}_ranks", list(ranks))
                     setattr(state, f"{kind}_group", group)
@@ -138,7 +142,9 @@ class ParallelState:
                          parallel_config.pipeline_model_parallel_size,
                          virtual_pp_size=parallel_config.virtual_pipeline_model_parallel_size,
                          device=device, ring_policy=parallel_config.ring_collectives,
-                         comm_backend=comm_backend)
+                         comm_backend=comm_backend,
+                         timeout=datetime.timedelta(
+                             minutes=parallel_config.distributed_timeout_minutes))
 
     # ---- pipeline facts -----------------------------------------------------------------
     @property

@@ -104,9 +104,18 @@ class P2P:
             return []
         if self._batched is None:
             self._batched = dist.get_backend() != "gloo"
-        if self._batched:
-            return dist.batch_isend_irecv([op for op, _ in ops])
-        return [op.op(op.tensor, op.peer, tag=op.tag) for op, _ in ops]
+        comm = self.ps.comm
+        try:
+            if self._batched:
+                works = dist.batch_isend_irecv([op for op, _ in ops])
+            else:
+                works = [op.op(op.tensor, op.peer, tag=op.tag) for op, _ in ops]
+        except RuntimeError as exc:
+            raise comm.failure("p2p exchange", self.ps.pp_group, exc,
+                               ops[0][0].peer) from exc
+        # a failed wait names the pipeline neighbour (dead, or frozen past the timeout)
+        return [comm.named_work(w, "send" if op.op is dist.isend else "recv",
+                                self.ps.pp_group, op.peer) for w, (op, _) in zip(works, ops)]
 
     def _run(self, ops):
         PendingExchange(self._start(ops), []).wait()
