@@ -75,6 +75,14 @@ class DataParallelNaive:
         self.optimizer.step()
         return True, norm, 0
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors ``memory_report`` counts, by category (as ``ZeroOptimizer``'s)."""
+        return {"params": list(self.params),
+                "grads": [p.grad for p in self.params if p.grad is not None],
+                "main_params": [],
+                "optimizer_states": [v for s in self.optimizer.state.values()
+                                     for v in s.values() if torch.is_tensor(v)]}
+
     def memory_report(self) -> dict:
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         states = sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values()

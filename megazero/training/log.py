@@ -71,11 +71,17 @@ def training_log_line(config: MegazeroConfig, ps: ParallelState, *, iteration: i
     return line
 
 
+def _sci(v: float) -> str:
+    """Megatron's %.6E, with a NaN printed as ``nan``."""
+    return "nan" if math.isnan(v) else f"{v:.6E}"
+
+
 def log_validation(prefix: str, totals: dict) -> None:
     """Megatron's validation block: a bar, `` validation loss at <prefix> | ...``, a bar."""
     line = f" validation loss at {prefix} |"
     for k, v in totals.items():
-        line += f" {k} value: {v:.6E} | {k} PPL: {math.exp(min(20, v)):.6E} |"
+        ppl = float("nan") if math.isnan(v) else math.exp(min(20, v))
+        line += f" {k} value: {_sci(v)} | {k} PPL: {_sci(ppl)} |"
     bar = "-" * (len(line) + 1)
     logger.info(bar)
     logger.info(line)

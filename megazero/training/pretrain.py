@@ -66,6 +66,8 @@ class TrainState:
     interval_nan: int = 0
     last_grad_norm: float | None = None
     memory_logged: bool = False
+    consecutive_skipped: int = 0
+    last_finite_loss: tuple | None = None  # (iteration, {name: value}) of the last good step
 
     def accumulate(self, losses: dict, ok: bool, grad_norm) -> None:
         self.last_grad_norm = grad_norm
@@ -76,6 +78,11 @@ class TrainState:
         if not ok:
             self.skipped_iters += 1
             self.interval_skipped += 1
+            self.consecutive_skipped += 1
+        else:
+            self.consecutive_skipped = 0
+        if ok and not got_nan and losses:
+            self.last_finite_loss = (self.iteration, dict(losses))
         if ok and not got_nan:
             for k, v in losses.items():
                 self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
@@ -134,6 +141,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     if ps.rank == 0:
         logger.info("setup done in %.1f s: %s, %d parameters on this rank", time.time() - start,
                     ps.describe(), sum(p.numel() for c in model for p in c.parameters()))
+    check_finite_weights(model, optimizer, ps)
     if on_ready is not None:
         on_ready(trainer)
     state, tcfg = trainer.state, config.train
@@ -149,6 +157,35 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         trainer.save()
     return PretrainResult(trainer.history, state.iteration, state.consumed_train_samples,
                           state.skipped_iters, state.nan_iters, model, optimizer, ps)
+
+
+class TrainingDivergedError(RuntimeError):
+    """Training cannot go on: too many skipped iterations in a row, or non-finite weights."""
+
+
+def check_finite_weights(model, optimizer, ps: ParallelState) -> None:
+    """Non-finite weights before the first step are an error on every rank (agreed over the
+    world group), naming this rank's offending parameters."""
+    checks, names = [], []
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            if p.numel():
+                checks.append(torch.isfinite(p.detach()).all())
+                names.append(name)
+    for k, t in enumerate(optimizer.state_tensors().get("params", [])):
+        checks.append(torch.isfinite(t).all())
+        names.append(f"parameter storage {k} (ZeRO partition)")
+    local = torch.stack(checks).logical_not().to(torch.float32) if checks else None
+    bad = [n for n, b in zip(names, host_values(local)) if b > 0] if local is not None else []
+    flag = torch.tensor([1.0 if bad else 0.0], device=ps.device)
+    comm.all_reduce(flag, ps.world_group, op=torch.distributed.ReduceOp.MAX)
+    if host_float(flag) > 0:
+        raise TrainingDivergedError(
+            "non-finite initial weights (inf or NaN) "
+            + (f"in {', '.join(bad[:8])}" + (" ..." if len(bad) > 8 else "") if bad
+               else "on another rank")
+            + f" ({ps.describe()}): check --init-method-std, the loaded checkpoint and the "
+              "dtype (fp16 holds values up to 65504)")
 
 
 class Trainer:
@@ -186,6 +223,7 @@ class Trainer:
                 state.memory_logged = True
             self.lr_scheduler.step(gbs)
             state.accumulate(losses, ok, grad_norm)
+            self.check_skipped()
             if tcfg.log_interval and state.iteration % tcfg.log_interval == 0:
                 self.log((time.time() - interval_start) / tcfg.log_interval, iters)
                 interval_start = time.time()
@@ -203,6 +241,21 @@ class Trainer:
                 break
         if trace is not None:
             trace.save(tcfg.pipeline_trace)
+
+    def check_skipped(self) -> None:
+        """``--max-consecutive-skipped-iterations``: a run whose every step overflows (NaN or
+        diverged) stops with an error instead of skipping and saving forever. Every rank
+        agrees on skipping, so every rank stops at the same iteration."""
+        limit, state = self.config.train.max_consecutive_skipped_iterations, self.state
+        if limit and state.consecutive_skipped >= limit:
+            last = state.last_finite_loss
+            where = (f"the last finite loss was {last[1]} at iteration {last[0]}" if last
+                     else "no iteration had a finite loss")
+            raise TrainingDivergedError(
+                f"{state.consecutive_skipped} consecutive iterations skipped for non-finite "
+                f"gradients, up to iteration {state.iteration} "
+                f"(--max-consecutive-skipped-iterations {limit}); {where}. The run diverged: "
+                "resume from an earlier checkpoint with a lower --lr, or check the data")
 
     def should_exit(self, start: float) -> bool:
         tcfg, ps, state = self.config.train, self.ps, self.state
