@@ -168,14 +168,14 @@ def test_validation_errors_name_the_file(tmp_path):
         MMapIndexedDatasetBuilder(str(tmp_path / "x"), np.complex64)
 
 
-def test_interrupted_write_leaves_no_index(tmp_path):
+def test_interrupted_write_keeps_the_old_dataset(tmp_path):
     prefix = str(tmp_path / "partial")
     write_independent(prefix, DOCS, np.int32)  # an older, valid pair at the same prefix
+    before = [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")]
     with pytest.raises(KeyboardInterrupt):
         with MMapIndexedDatasetBuilder(prefix, np.int32) as builder:
             builder.add_document([1, 2, 3])
             raise KeyboardInterrupt
-    assert not os.path.exists(prefix + ".idx")  # the stale index is gone, no new one written
-    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
-    with pytest.raises(IndexedDatasetError, match="index file not found"):
-        MMapIndexedDataset(prefix)
+    assert [open(prefix + ext, "rb").read() for ext in (".bin", ".idx")] == before
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]  # only its temporaries went
+    assert MMapIndexedDataset(prefix).doc_idx.size - 1 == len(DOCS)

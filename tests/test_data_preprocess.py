@@ -92,10 +92,11 @@ def test_bad_utf8_and_skip_bad_lines(tmp_path, bpe):
     assert len(MMapIndexedDataset(str(tmp_path / "out_text_document"))) == 2
 
 
-def test_interrupt_leaves_no_index(tmp_path, bpe, monkeypatch):
+def test_interrupt_keeps_the_old_output(tmp_path, bpe, monkeypatch):
     src = write_jsonl(tmp_path / "in.jsonl", ["abc"] * 50)
     prefix = str(tmp_path / "out")
     pp.preprocess(src, prefix, **bpe)  # an earlier complete output at the same prefix
+    before = [(tmp_path / f"out_text_document{ext}").read_bytes() for ext in (".bin", ".idx")]
     original = pp.Encoder.encode
 
     def interrupting(self, lineno, record):
@@ -106,8 +107,10 @@ def test_interrupt_leaves_no_index(tmp_path, bpe, monkeypatch):
     monkeypatch.setattr(pp.Encoder, "encode", interrupting)
     with pytest.raises(KeyboardInterrupt):
         pp.preprocess(src, prefix, chunk_size=4, **bpe)
-    left = sorted(os.listdir(tmp_path))
-    assert "out_text_document.idx" not in left and not [p for p in left if ".tmp" in p]
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin",
+                                            "out_text_document.idx"]  # no temporaries
+    assert [(tmp_path / f"out_text_document{ext}").read_bytes()
+            for ext in (".bin", ".idx")] == before
 
 
 def test_cli(tmp_path, bpe):

@@ -1,6 +1,7 @@
 """GPT-2 pretraining data: Megatron-compatible indexed datasets, samples, blends and samplers.
 
-- ``indexed_dataset``: ``.bin/.idx`` (MMIDIDX) writer and memory-mapped reader.
+- ``indexed_dataset``: ``.bin/.idx`` (MMIDIDX) writer, memory-mapped reader, and the check
+  of a dataset at setup (integer ids below the vocabulary; cached beside the index).
 - ``preprocess``: jsonl -> ``.bin/.idx`` (``python -m megazero.data.preprocess``).
 - ``gpt_indices`` / ``gpt_dataset``: Megatron's doc/sample/shuffle indices, train/valid/test
   splits, ``get_ltor_batch``; ``blended_dataset``: weighted blends.

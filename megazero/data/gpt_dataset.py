@@ -6,6 +6,12 @@
 with Megatron's greedy blending. Each dataset is map-style: ``ds[i]`` is
 ``{"text": int64 array of seq_length + 1 tokens}`` (inputs plus the next-token labels).
 
+Every dataset is checked at setup (``indexed_dataset.validate_dataset``: integer ids below
+the tokenizer's vocabulary, cached beside the index) and every split asked for samples must
+hold at least ``seq_length + 1`` tokens; the errors (``DatasetError``) name the dataset, the
+split, its documents and tokens and ``--seq-length``. A valid or test split with no documents
+(a small dataset and ``--split``) is None, with a warning, as in Megatron.
+
 Multi-rank use: every rank calls the builder with the same arguments; only ranks with
 ``is_builder=True`` write index files, then every rank calls ``barrier()`` exactly once (pass
 e.g. a ``torch.distributed.barrier`` over the ranks that load data) and memory-maps the files.
@@ -32,7 +38,12 @@ from megazero.data.gpt_indices import (
     ensure_index_files,
     load_index_files,
 )
-from megazero.data.indexed_dataset import MMapIndexedDataset
+from megazero.data.indexed_dataset import (
+    DatasetError,
+    MMapIndexedDataset,
+    index_file_path,
+    validate_dataset,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +151,22 @@ class GPTDataset(torch.utils.data.Dataset):
         return {"text": np.asarray(sample, dtype=np.int64)}
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def _split_specs(prefix: str, ds: MMapIndexedDataset, splits_string: str, num_samples,
-                 seq_length: int, seed: int, cache_path: str | None):
-    """(name, documents, num_samples) for each split that has documents and samples."""
+                 seq_length: int):
+    """(name, documents, num_samples) for each split that has documents and samples.
+
+    A split asked for samples must hold ``seq_length + 1`` tokens (one sample), else
+    ``DatasetError``; one with no documents is None (the caller decides whether that is fatal).
+    """
+    wanted = [n for n, k in zip(SPLIT_NAMES, num_samples) if k > 0]
+    if len(ds) == 0 and wanted:
+        raise DatasetError(f"the {wanted[0]} split of {prefix} is empty: {prefix} has no "
+                           f"documents (0 tokens) in {index_file_path(prefix)}; was it "
+                           "preprocessed from an empty input?")
     bounds = get_train_valid_test_split(splits_string, len(ds))
     logger.info(" > %s: %d documents, split %s -> %s", prefix, len(ds), splits_string,
                 ", ".join(f"{n} [{bounds[i]}, {bounds[i + 1]})"
@@ -150,9 +174,29 @@ def _split_specs(prefix: str, ds: MMapIndexedDataset, splits_string: str, num_sa
     out = []
     for i, name in enumerate(SPLIT_NAMES):
         docs = np.arange(bounds[i], bounds[i + 1], dtype=np.int32)
-        out.append((name, docs, int(num_samples[i])) if docs.size and num_samples[i] > 0
-                   else None)
+        if not docs.size or num_samples[i] <= 0:
+            out.append(None)
+            continue
+        tokens = int(ds.sizes[bounds[i]:bounds[i + 1]].sum(dtype=np.int64))
+        if tokens < seq_length + 1:
+            raise DatasetError(
+                f"the {name} split of {prefix} has {_plural(docs.size, 'document')} "
+                f"[{bounds[i]}, {bounds[i + 1]}) with {_plural(tokens, 'token')} in all, too "
+                f"few for one sample: --seq-length {seq_length} needs {seq_length + 1} tokens "
+                f"per sample; use more data, a shorter --seq-length or another --split "
+                f"(now {splits_string})")
+        out.append((name, docs, int(num_samples[i])))
     return out
+
+
+def _no_documents(name: str, prefixes, opened, splits_string: str) -> DatasetError:
+    where = "; ".join(
+        f"{p} has {_plural(len(ds), 'document')}, of which --split {splits_string} gives the "
+        f"{name} split [{b[0]}, {b[1]})"
+        for p, ds in zip(prefixes, opened)
+        for b in [get_train_valid_test_split(splits_string, len(ds))[:2]])
+    return DatasetError(f"the {name} split has no documents: {where}; use more data or "
+                        "another --split")
 
 
 def build_train_valid_test_datasets(data_prefix: list[str], splits_string: str,
@@ -160,12 +204,16 @@ def build_train_valid_test_datasets(data_prefix: list[str], splits_string: str,
                                     cache_path: str | None = None, *, build_indices: bool = True,
                                     is_builder: bool = True,
                                     barrier: Callable[[], None] | None = None,
-                                    wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S):
-    """``(train, valid, test)`` datasets; a split with no samples or no documents is None.
+                                    wait_timeout: float = DEFAULT_WAIT_TIMEOUT_S,
+                                    vocab_size: int | None = None):
+    """``(train, valid, test)`` datasets; a split with no samples is None, and so is a valid
+    or test split with no documents (a train split asked for samples must have some).
 
-    ``data_prefix`` is ``[prefix]`` or ``[w1, p1, w2, p2, ...]``. This rank writes index files
-    only when ``is_builder`` and ``build_indices`` are both true; every rank calls ``barrier``
-    once, after the builders wrote all index files and before any rank reads them.
+    ``data_prefix`` is ``[prefix]`` or ``[w1, p1, w2, p2, ...]``. Every dataset is validated
+    first, on every rank, before any barrier (so bad data stops all ranks alike, none waits):
+    with ``vocab_size`` (the tokenizer's) every token id must be below it. This rank writes
+    index files only when ``is_builder`` and ``build_indices`` are both true; every rank calls
+    ``barrier`` once, after the builders wrote all index files and before any rank reads them.
     """
     if len(train_valid_test_num_samples) != 3:
         raise ValueError("train_valid_test_num_samples must hold 3 counts")
@@ -174,8 +222,18 @@ def build_train_valid_test_datasets(data_prefix: list[str], splits_string: str,
     prefixes, weights, per_dataset_samples = parse_data_prefix(data_prefix,
                                                                train_valid_test_num_samples)
     opened = [MMapIndexedDataset(p) for p in prefixes]
-    specs = [_split_specs(p, ds, splits_string, n, seq_length, seed, cache_path)
+    for ds in opened:
+        validate_dataset(ds, vocab_size, cache_path=cache_path)
+    specs = [_split_specs(p, ds, splits_string, n, seq_length)
              for p, ds, n in zip(prefixes, opened, per_dataset_samples)]
+    for i, name in enumerate(SPLIT_NAMES):
+        if int(train_valid_test_num_samples[i]) <= 0 or any(s[i] for s in specs):
+            continue
+        if i == 0:
+            raise _no_documents(name, prefixes, opened, splits_string)
+        logger.warning("the %s split has no documents (--split %s over %s); no %s data", name,
+                       splits_string, ", ".join(f"{len(ds)} documents" for ds in opened),
+                       name)
     # Phase 1: the builder writes every index file; phase 2: one barrier; phase 3: all load.
     index_specs = {}
     for p, ds, per_split in zip(prefixes, opened, specs):

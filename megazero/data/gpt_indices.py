@@ -91,7 +91,12 @@ def build_index_mappings(sizes: np.ndarray, documents: np.ndarray, num_samples: 
         from_epochs_minus_one = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
         last_epoch_samples = num_samples - from_epochs_minus_one
         per_epoch = (tokens_per_epoch - 1) // seq_length
-        assert 0 <= last_epoch_samples < per_epoch + 1, (last_epoch_samples, per_epoch)
+        # Megatron's bound (<= per_epoch + 1: the last epoch can complete the sample that
+        # straddles the previous epoch's end as well as its own)
+        if not 0 <= last_epoch_samples <= per_epoch + 1:
+            raise ValueError(f"cannot lay out {num_samples} samples of {seq_length + 1} tokens "
+                             f"over {num_epochs} epochs of {tokens_per_epoch} tokens (the last "
+                             f"epoch would hold {last_epoch_samples} of at most {per_epoch + 1})")
         separate_last_epoch = last_epoch_samples < int(0.80 * per_epoch)
     doc_idx = build_doc_idx(documents, num_epochs, rng, separate_last_epoch)
     sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch,

@@ -13,18 +13,31 @@ The ``.bin`` is every sequence's tokens back to back in one dtype. The ``.idx`` 
                int64[N] byte offset of each sequence in the .bin
                int64[D] document index: sequence number where each document starts, then N
 
-``MMapIndexedDatasetBuilder`` writes both files to temporary names and renames them into place
-only in ``finalize`` (``.bin`` first, ``.idx`` last; a stale ``.idx`` is removed on open), so an
-interrupted write never leaves an ``.idx`` that reads as valid for a partial ``.bin``.
-``MMapIndexedDataset`` validates the header, the pointers and the ``.bin`` size on open, with
-errors that name the file.
+``MMapIndexedDatasetBuilder`` writes both files to temporary names in the output folder and
+renames them into place only in ``finalize`` (``.bin`` first, ``.idx`` last). Until then a
+dataset already at the prefix is untouched, and a failed or aborted write removes only its own
+temporaries. At the commit the old ``.idx`` is unlinked just before the new ``.bin`` replaces
+the old one, so no instant pairs a new ``.bin`` with an old ``.idx``.
+``MMapIndexedDataset`` validates the header, the pointers, the document index and the ``.bin``
+size on open, with errors that name the file.
+
+``validate_dataset`` checks what training needs beyond a readable file: integer token ids,
+none negative and all below the tokenizer's vocabulary size. The ids are scanned once, with
+numpy over the memory-mapped ``.bin`` in chunks of ``SCAN_CHUNK_TOKENS``; the result (the
+smallest and largest id, counts) is cached in ``{prefix}.idx.validated.json``, keyed by the
+size, mtime and inode of both files, so later runs skip the scan, and any rewrite of the
+files invalidates it. An id out of range is a ``DatasetError`` naming the file, the document,
+the position in it, the id and the vocabulary size.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import struct
+import threading
 
 import numpy as np
 
@@ -36,10 +49,17 @@ HEADER_SIZE = 9 + 8 + 1 + 8 + 8
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
           7: np.float32, 8: np.uint16}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+SCAN_CHUNK_TOKENS = 1 << 24  # tokens per numpy pass of the id scan (32 MB of uint16)
+VALIDATION_FORMAT = 1  # bump when what validate_dataset records changes
 
 
 class IndexedDatasetError(ValueError):
     """An ``.idx``/``.bin`` pair that is missing, truncated or inconsistent."""
+
+
+class DatasetError(IndexedDatasetError):
+    """A readable dataset that cannot be trained on: non-integer tokens, ids outside the
+    vocabulary, too few documents or tokens (the message names the file and what is wrong)."""
 
 
 def data_file_path(prefix: str) -> str:
@@ -72,19 +92,18 @@ class MMapIndexedDatasetBuilder:
 
     ``add_item(tokens)`` appends one sequence, ``end_document()`` closes the current document
     (GPT data: one sequence per document). Use as a context manager: leaving the block with an
-    exception removes the temporary files and leaves no ``.idx``.
+    exception removes the temporary files; a dataset already at ``prefix`` stays as it was.
     """
 
     def __init__(self, prefix: str, dtype=np.int32):
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype)
+        # Temporaries in the output folder (renames stay on one file system); an existing
+        # dataset at the prefix is left alone until finalize succeeds.
         self._tmp_bin = f"{data_file_path(prefix)}.tmp{os.getpid()}"
         self._tmp_idx = f"{index_file_path(prefix)}.tmp{os.getpid()}"
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        # An .idx left from an earlier run must not be paired with the .bin we are replacing.
-        if os.path.exists(index_file_path(prefix)):
-            os.remove(index_file_path(prefix))
         self._file = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
@@ -120,12 +139,24 @@ class MMapIndexedDatasetBuilder:
         self.num_tokens += int(other.sizes.sum(dtype=np.int64))
 
     def finalize(self, index_file: str | None = None) -> None:
-        """Write the index, then rename ``.bin`` and ``.idx`` into place (``.idx`` last)."""
+        """Write the index, then rename ``.bin`` and ``.idx`` into place (``.idx`` last).
+
+        On any error the temporaries are removed and a dataset already at the prefix is kept.
+        """
+        try:
+            self._write_index()
+            self._commit(index_file or index_file_path(self.prefix))
+        except BaseException:
+            self.abort()
+            raise
+
+    def _write_index(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
-        index_file = index_file or index_file_path(self.prefix)
-        sizes = np.asarray(self._sizes, dtype=np.int32)
-        if sizes.size and int(np.max(np.asarray(self._sizes, dtype=np.int64))) > 2**31 - 1:
+        if self._sizes and int(np.max(np.asarray(self._sizes, dtype=np.int64))) > 2**31 - 1:
             raise IndexedDatasetError(f"{self.prefix}: a sequence exceeds 2^31-1 tokens")
+        sizes = np.asarray(self._sizes, dtype=np.int32)
         pointers = np.zeros(sizes.size, dtype=np.int64)
         np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
@@ -140,14 +171,25 @@ class MMapIndexedDatasetBuilder:
             f.write(doc_idx.astype("<i8").tobytes())
             f.flush()
             os.fsync(f.fileno())
+        self._num_sequences, self._num_documents = int(sizes.size), int(doc_idx.size - 1)
+
+    def _commit(self, index_file: str) -> None:
+        # The old .idx goes first: a crash between the renames leaves a .bin without an index
+        # (refused on open), never a new .bin described by the old index.
+        if os.path.exists(index_file):
+            os.remove(index_file)
         os.replace(self._tmp_bin, data_file_path(self.prefix))
         os.replace(self._tmp_idx, index_file)
+        stale = f"{index_file}.validated.json"
+        if os.path.exists(stale):  # keyed by the files' stats anyway; removed for tidiness
+            os.remove(stale)
         logger.info("wrote %s (%d sequences, %d documents, %d tokens, %s)", index_file,
-                    sizes.size, doc_idx.size - 1, self.num_tokens, self.dtype)
+                    self._num_sequences, self._num_documents, self.num_tokens, self.dtype)
 
     def abort(self) -> None:
         """Close and delete the temporary files (nothing is renamed into place)."""
-        self._file.close()
+        if not self._file.closed:
+            self._file.close()
         for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
                 os.remove(path)
@@ -296,6 +338,17 @@ class MMapIndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sizes.sum(dtype=np.int64))
 
+    def tokens(self) -> np.ndarray:
+        """Every token of every sequence, in order, as one flat memory-mapped array."""
+        return np.frombuffer(self._bin, dtype=self.dtype, count=self.num_tokens)
+
+    def locate(self, token: int) -> tuple[int, int, int]:
+        """``(document, sequence, position in the sequence)`` of flat token index ``token``."""
+        starts = self.pointers // self.dtype.itemsize
+        seq = int(np.searchsorted(starts, token, side="right")) - 1
+        doc = int(np.searchsorted(self.doc_idx, seq, side="right")) - 1
+        return doc, seq, int(token - starts[seq])
+
     @property
     def supports_prefetch(self) -> bool:
         return False
@@ -303,6 +356,126 @@ class MMapIndexedDataset:
     @staticmethod
     def exists(prefix: str) -> bool:
         return dataset_exists(prefix)
+
+
+def validation_cache_path(prefix: str, cache_path: str | None = None) -> str:
+    """Where ``validate_dataset`` records its result: beside the index, or under
+    ``cache_path`` (``--data-cache-path``) for a dataset in a read-only folder."""
+    if cache_path is None:
+        return f"{index_file_path(prefix)}.validated.json"
+    where = hashlib.md5(os.path.abspath(prefix).encode()).hexdigest()[:8]
+    return os.path.join(cache_path, f"{os.path.basename(prefix)}_{where}.idx.validated.json")
+
+
+def _file_stats(prefix: str) -> dict:
+    out = {}
+    for kind, path in (("idx", index_file_path(prefix)), ("bin", data_file_path(prefix))):
+        st = os.stat(path)
+        out[kind] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    return out
+
+
+def scan_token_ids(ds: MMapIndexedDataset, vocab_size: int | None = None
+                   ) -> tuple[int | None, int | None]:
+    """``(min id, max id)`` over every token of ``ds`` (None for no tokens), read from the
+    memory-mapped ``.bin`` in chunks of ``SCAN_CHUNK_TOKENS``. Raises ``DatasetError`` at the
+    first negative id, or the first id ``>= vocab_size`` when it is given."""
+    flat = ds.tokens()
+    lo = hi = None
+    for start in range(0, flat.size, SCAN_CHUNK_TOKENS):
+        chunk = flat[start:start + SCAN_CHUNK_TOKENS]
+        cmin, cmax = int(chunk.min()), int(chunk.max())
+        if cmin < 0 or (vocab_size is not None and cmax >= vocab_size):
+            limit = vocab_size if vocab_size is not None else np.inf
+            bad = int(np.flatnonzero((chunk < 0) | (chunk >= limit))[0])
+            raise _bad_token(ds, start + bad, int(chunk[bad]), vocab_size)
+        lo = cmin if lo is None else min(lo, cmin)
+        hi = cmax if hi is None else max(hi, cmax)
+    return lo, hi
+
+
+def _bad_token(ds: MMapIndexedDataset, token: int, value: int, vocab_size: int | None
+               ) -> DatasetError:
+    doc, seq, pos = ds.locate(token)
+    where = (f"{data_file_path(ds.prefix)}: token id {value} at document {doc}, position {pos} "
+             f"(sequence {seq}, token {token} of the file)")
+    if value < 0:
+        return DatasetError(f"{where} is negative; token ids must be >= 0")
+    return DatasetError(f"{where} is out of range for the tokenizer's vocabulary size "
+                        f"{vocab_size} (valid ids: 0 to {vocab_size - 1}); was the data "
+                        "tokenized with another tokenizer, or is the file corrupt?")
+
+
+def _read_record(path: str, stats: dict) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):  # missing, unreadable or not JSON: validate again
+        return None
+    if (not isinstance(record, dict) or record.get("format") != VALIDATION_FORMAT
+            or record.get("files") != stats):
+        return None
+    return record
+
+
+def _write_record(path: str, record: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.info("could not cache the validation of %s in %s (%s); it will run again",
+                    record["prefix"], path, exc)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def validate_dataset(ds: MMapIndexedDataset, vocab_size: int | None = None, *,
+                     cache_path: str | None = None) -> dict:
+    """Check that ``ds`` can be trained on with a vocabulary of ``vocab_size`` ids.
+
+    Integer dtype, no negative id, every id below ``vocab_size`` (when given). The structure
+    (lengths, pointers, document index, ``.bin`` size) was checked when ``ds`` was opened with
+    ``validate=True``. Returns the record cached beside the index (or under ``cache_path`` when
+    the index folder is not writable): counts and the smallest and largest id. A cached record
+    whose largest id does not fit ``vocab_size`` is rescanned to name the first bad token.
+    """
+    idx_path = index_file_path(ds.prefix)
+    if ds.dtype.kind not in "iu":
+        raise DatasetError(f"{idx_path}: token dtype {ds.dtype} is not an integer type; token "
+                           "ids must be stored as integers (preprocessing writes uint16 or "
+                           "int32); re-run preprocessing")
+    stats = _file_stats(ds.prefix)
+    paths = [validation_cache_path(ds.prefix)]
+    if cache_path is not None:
+        paths.append(validation_cache_path(ds.prefix, cache_path))
+    for path in paths:
+        record = _read_record(path, stats)
+        if record is not None:
+            break
+    else:
+        record = None
+    if record is not None:
+        hi = record["max_token_id"]
+        if vocab_size is not None and hi is not None and hi >= vocab_size:
+            scan_token_ids(ds, vocab_size)  # names the first bad token
+        logger.info(" > %s: validated (cached in %s): %d documents, %d tokens, ids %s..%s",
+                    ds.prefix, path, record["num_documents"], record["num_tokens"],
+                    record["min_token_id"], hi)
+        return record
+    lo, hi = scan_token_ids(ds, vocab_size)
+    record = {"format": VALIDATION_FORMAT, "prefix": ds.prefix, "files": stats,
+              "dtype": str(ds.dtype), "num_sequences": len(ds),
+              "num_documents": int(ds.doc_idx.size - 1), "num_tokens": ds.num_tokens,
+              "min_token_id": lo, "max_token_id": hi, "vocab_size_checked": vocab_size}
+    folder = os.path.dirname(os.path.abspath(idx_path))
+    target = paths[0] if os.access(folder, os.W_OK) or len(paths) == 1 else paths[1]
+    _write_record(target, record)
+    logger.info(" > %s: validated %d documents, %d tokens, ids %s..%s", ds.prefix,
+                record["num_documents"], record["num_tokens"], lo, hi)
+    return record
 
 
 def make_dataset(prefix: str, impl: str = "mmap", validate: bool = True) -> MMapIndexedDataset:

@@ -9,10 +9,12 @@ tokenized and written to ``{output_prefix}_{key}_document.{bin,idx}``, one docum
 documents are skipped, as Megatron does). Lines are read as a stream and encoded by a process
 pool (``--workers``) in chunks, with a bounded number of chunks in flight, so memory does not
 grow with the input. Progress is logged every ``--log-interval`` documents (docs/s, MB/s).
-A malformed line (bad JSON or UTF-8, not an object, missing key, non-string value) stops the
-run with its line number, or is skipped and counted with ``--skip-bad-lines``; blank lines are
-skipped. Outputs are written to temporary files and renamed at the end, so an interrupted run
-leaves no ``.idx``.
+A malformed line (bad JSON or UTF-8, not an object, missing key, non-string value, a lone
+surrogate such as an escaped ``"\\ud800"``, text the tokenizer rejects) stops the run with
+``file:line``, or is skipped and counted with ``--skip-bad-lines``; blank lines are skipped.
+Outputs are written to temporary files beside them and renamed into place only when every
+line was read: a failed or interrupted run removes its temporaries and leaves a dataset
+already at the output prefix as it was.
 """
 
 from __future__ import annotations
@@ -91,10 +93,23 @@ class Encoder:
             ids.append(self.tokenizer.eod)
         return np.asarray(ids, dtype=self.dtype)
 
+    def _encode_value(self, key: str, text: str) -> np.ndarray | str:
+        """Ids of ``text``, or an error message (invalid Unicode, or the tokenizer failed)."""
+        bad = lone_surrogate(text)
+        if bad is not None:
+            return (f"value of {key!r} holds a lone surrogate U+{ord(text[bad]):04X} at "
+                    f"character {bad}, which is not valid Unicode (a broken \\u escape?)")
+        try:
+            return self._ids(text)
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this line's error
+            return f"the tokenizer failed on {key!r}: {type(exc).__name__}: {exc}"
+
     def encode(self, lineno: int, record) -> tuple[int, dict | str | None, int]:
         """``(lineno, {key: ids} | error message | None for a blank line, bytes read)``."""
         if self.json_keys is None:
-            return lineno, {"text": self._ids(record)}, len(record.encode("utf-8"))
+            nbytes = len(record.encode("utf-8", "surrogatepass"))
+            ids = self._encode_value("text", record)
+            return lineno, ids if isinstance(ids, str) else {"text": ids}, nbytes
         nbytes = len(record)
         try:
             line = record.decode("utf-8")
@@ -115,11 +130,23 @@ class Encoder:
             if not isinstance(obj[key], str):
                 kind = type(obj[key]).__name__
                 return lineno, f"value of {key!r} is {kind}, not a string", nbytes
-            out[key] = self._ids(obj[key])
+            ids = self._encode_value(key, obj[key])
+            if isinstance(ids, str):
+                return lineno, ids, nbytes
+            out[key] = ids
         return lineno, out, nbytes
 
     def encode_chunk(self, chunk):
         return [self.encode(lineno, record) for lineno, record in chunk]
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in ``text`` (not encodable as UTF-8), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 def _init_worker(encoder: Encoder) -> None:
@@ -232,6 +259,9 @@ def preprocess(input: str, output_prefix: str, tokenizer_type: str, *,
                 ", ".join(f"{p}.bin/.idx" for p in outputs.values()))
     results = encode_stream(_numbered_lines(input), encoder, workers, chunk_size, mp_context)
     stats = write_documents(results, outputs, dtype, input, skip_bad_lines, log_interval)
+    if stats.documents == 0:
+        logger.warning("%s holds no documents: the outputs are empty datasets, which training "
+                       "refuses", input)
     logger.info("done: %d documents, %d tokens, %.1f MB in %.2f s (%.1f docs/s, %.2f MB/s)%s",
                 stats.documents, stats.tokens, stats.bytes / 1e6, stats.seconds,
                 stats.docs_per_s, stats.mb_per_s,

@@ -5,6 +5,7 @@ default corpus while the others wait, each data-parallel rank gets its slice of 
 batch through the pretraining sampler (driven by consumed samples, so a resume continues with
 exactly the next samples), and batches are turned into model inputs (tokens, labels, loss mask,
 position ids, attention mask) here. ``--mock-data`` gives deterministic random tokens.
+``--data-path`` datasets are validated against the tokenizer at setup (``gpt_dataset``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def _default_corpus(cache_dir, ps):
 
 
 def default_datasets_provider(config, tokenizer, num_samples, ps: ParallelState):
-    """GPT datasets from ``--data-path`` (or mock data), as Megatron's provider builds them."""
+    """GPT datasets from ``--data-path`` (or mock data), as Megatron's provider builds them.
+
+    Every rank validates the data before the first barrier (token ids below the tokenizer's
+    true vocabulary size, enough tokens per split; cached beside the index), so bad data
+    stops every rank with the same error instead of leaving the others waiting."""
     d, m = config.data, config.model
     if d.mock_data:
         return tuple(MockGPTDataset(n, m.seq_length, tokenizer.vocab_size,
@@ -66,7 +71,7 @@ def default_datasets_provider(config, tokenizer, num_samples, ps: ParallelState)
     return build_train_valid_test_datasets(
         d.data_path, d.split, tuple(num_samples), m.seq_length, config.train.seed,
         d.data_cache_path, barrier=lambda: comm.barrier(ps.world_group),
-        is_builder=ps.rank == 0)
+        is_builder=ps.rank == 0, vocab_size=tokenizer.vocab_size)
 
 
 class BatchIterator:
