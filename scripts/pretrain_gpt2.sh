@@ -60,6 +60,7 @@ OUTPUT_ARGS=(
     --save "$CHECKPOINT_DIR"
     --load "$CHECKPOINT_DIR"
     --save-interval "$SAVE_INTERVAL"
+    --exit-signal-handler
 )
 
 exec "$PYTHON" pretrain_gpt2.py "${GPT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" \

@@ -13,6 +13,11 @@
 #
 # Checkpoints use Megatron's layout under $CHECKPOINT_DIR; they load at any other layout
 # (see README), e.g. resume this tp=2 run with scripts/pretrain_gpt2.sh.
+#
+# Faults: torchrun restarts the whole group up to MAX_RESTARTS times (default 3) when a rank
+# dies; --load = --save, so the restarted group resumes from the last checkpoint (at most
+# SAVE_INTERVAL iterations are redone). SIGTERM (preemption) saves at the end of the current
+# iteration and exits 0 (--exit-signal-handler); a second SIGTERM exits at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +26,7 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
 TP=${TP:-2}
 PP=${PP:-1}
 ZERO_STAGE=${ZERO_STAGE:-0}
@@ -41,6 +47,7 @@ DISTRIBUTED_ARGS=(
     --node-rank "$NODE_RANK"
     --master-addr "$MASTER_ADDR"
     --master-port "$MASTER_PORT"
+    --max-restarts "$MAX_RESTARTS"
 )
 
 GPT_ARGS=(
@@ -79,6 +86,7 @@ OUTPUT_ARGS=(
     --save "$CHECKPOINT_DIR"
     --load "$CHECKPOINT_DIR"
     --save-interval "$SAVE_INTERVAL"
+    --exit-signal-handler
 )
 
 exec "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt2.py \

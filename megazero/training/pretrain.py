@@ -40,6 +40,7 @@ from megazero.training.log import (
     setup_logging,
     training_log_line,
 )
+from megazero.training.signals import ExitSignalHandler
 from megazero.training.timers import Timers
 
 
@@ -204,12 +205,25 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def train(self, train_iter, valid_iter, iters: int, start: float) -> None:
-        tcfg, state, ps = self.config.train, self.state, self.ps
+        tcfg, ps = self.config.train, self.ps
         for chunk in self.model:
             chunk.train()
         gbs = tcfg.global_batch_size
         trace = PipelineTrace(ps) if tcfg.pipeline_trace else None
         interval_start = time.time()
+        handler = ExitSignalHandler(tcfg.exit_signal) if tcfg.exit_signal_handler else None
+        try:
+            self._loop(train_iter, valid_iter, iters, start, gbs, trace, interval_start,
+                       handler)
+        finally:
+            if handler is not None:
+                handler.restore()
+        if trace is not None:
+            trace.save(tcfg.pipeline_trace)
+
+    def _loop(self, train_iter, valid_iter, iters, start, gbs, trace, interval_start,
+              handler) -> None:
+        tcfg, state, ps = self.config.train, self.state, self.ps
         while state.iteration < iters:
             if trace is not None:
                 trace.begin_iteration(state.iteration + 1)
@@ -235,12 +249,10 @@ class Trainer:
                     self.evaluate_and_print(valid_iter, f"iteration {state.iteration}"))
                 for chunk in self.model:
                     chunk.train()
-            if self.should_exit(start):
+            if self.should_exit(start) or (handler is not None and self.signalled(handler)):
                 if tcfg.save and not self.saved_now():
                     self.save()
                 break
-        if trace is not None:
-            trace.save(tcfg.pipeline_trace)
 
     def check_skipped(self) -> None:
         """``--max-consecutive-skipped-iterations``: a run whose every step overflows (NaN or
@@ -256,6 +268,14 @@ class Trainer:
                 f"gradients, up to iteration {state.iteration} "
                 f"(--max-consecutive-skipped-iterations {limit}); {where}. The run diverged: "
                 "resume from an earlier checkpoint with a lower --lr, or check the data")
+
+    def signalled(self, handler: ExitSignalHandler) -> bool:
+        if not handler.agreed(self.ps):
+            return False
+        if self.ps.rank == 0:
+            logger.info("exiting program at iteration %d after %s (--exit-signal-handler)",
+                        self.state.iteration, handler.signame)
+        return True
 
     def should_exit(self, start: float) -> bool:
         tcfg, ps, state = self.config.train, self.ps, self.state
