@@ -63,7 +63,9 @@ def init_distributed(parallel: ParallelConfig | None = None) -> ParallelState:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=process_group_backend(backend),
-                                    init_method="env://", timeout=timeout)
+                                    store=_job_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout)
         else:
             dist.init_process_group(backend=process_group_backend(backend),
                                     store=dist.HashStore(), rank=0, world_size=1,
@@ -80,6 +82,20 @@ def init_distributed(parallel: ParallelConfig | None = None) -> ParallelState:
         logger.info("initialized torch.distributed: backend %s, world %d (tp %d, pp %d, dp %d)",
                     backend, world, state.tp_size, state.pp_size, state.dp_size)
     return state
+
+
+def _job_store(timeout: datetime.timedelta):
+    """The rendezvous store of this incarnation of the job. Under torchrun the agent hosts one
+    store for all restarts (``--max-restarts``), so a restarted group could read the dead
+    group's addresses (gloo: "connectFullMesh failed ... Connection refused"): the keys of each
+    restart live under their own prefix (``TORCHELASTIC_RESTART_COUNT``)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]),
+                          is_master=not agent and int(os.environ["RANK"]) == 0,
+                          timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/megazero/restart_{restart}", store)
 
 
 def destroy_distributed() -> None:
