@@ -280,13 +280,17 @@ def _pick(ns, cls, **values):
 
 def namespace_to_config(ns: argparse.Namespace, world_size: int | None = None) -> MegazeroConfig:
     if world_size is None:
-        world_size = getattr(ns, "dry_run_world_size", None) or ns.world_size \
-            or int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = getattr(ns, "dry_run_world_size", None) or ns.world_size
+        if world_size is None:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
     v = None
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         per = ns.num_layers_per_virtual_pipeline_stage
+        if per < 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage must be an integer "
+                              f">= 1, got {per}")
         layers_per_stage = ns.num_layers // max(ns.pipeline_model_parallel_size, 1)
-        if per <= 0 or layers_per_stage % per != 0:
+        if layers_per_stage % per != 0:
             raise ConfigError(
                 f"--num-layers-per-virtual-pipeline-stage ({per}) must divide the layers per "
                 f"pipeline stage ({ns.num_layers} / {ns.pipeline_model_parallel_size})")

@@ -2,12 +2,19 @@
 
 Every cross-check lives in a ``__post_init__`` and raises ``ConfigError`` with a message that
 names the command-line flags involved, so a wrong launch fails before any process group or
-tensor is created. Nothing here knows about torch.distributed; the world size is an integer.
+tensor is created. Every numeric field is checked against its valid range (finite where a
+float must be: ``--lr inf`` is an error), and the message names the flag, the value and the
+range (``--adam-beta1 must be in [0, 1), got 1.5``); a checkpoint's stored config goes through
+the same checks when ``from_dict`` rebuilds it. Nothing here knows about torch.distributed; the
+world size is an integer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import signal
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +27,54 @@ class ConfigError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _int_at_least(value, flag: str, low: int, note: str = "") -> None:
+    """``value`` is an integer >= ``low`` (``note`` says what the edge value means)."""
+    _check(isinstance(value, numbers.Integral) and not isinstance(value, bool)
+           and value >= low,
+           f"{flag} must be an integer >= {low}{note}, got {value!r}")
+
+
+def _optional_int_at_least(value, flag: str, low: int) -> None:
+    if value is not None:
+        _int_at_least(value, flag, low)
+
+
+def _finite(value, flag: str, *, positive: bool) -> None:
+    """``value`` is a finite number, > 0 (``positive``) or >= 0."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    _check(ok, f"{flag} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def _in_unit(value, flag: str, *, closed: bool = False) -> None:
+    """``value`` is in [0, 1) (or [0, 1] when ``closed``); NaN is outside."""
+    ok = isinstance(value, numbers.Real) and 0.0 <= value and \
+        (value <= 1.0 if closed else value < 1.0)
+    _check(ok, f"{flag} must be in [0, 1{']' if closed else ')'}, got {value!r}")
+
+
+SEED_LIMIT = 2**63  # torch.manual_seed takes < 2^64, and megazero adds offsets to the seed
+# Signals that --exit-signal-handler cannot catch.
+_UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+
+
+def signal_name(name) -> str | None:
+    """The canonical name (``SIGTERM``) of a catchable signal given as ``SIGTERM``, ``TERM``
+    or ``sigterm``; None when there is no such signal or it cannot be caught."""
+    if not isinstance(name, str):
+        return None
+    canonical = name.strip().upper()
+    if not canonical.startswith("SIG"):
+        canonical = "SIG" + canonical
+    if canonical in _UNCATCHABLE or canonical not in signal.Signals.__members__:
+        return None
+    return canonical
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,9 +113,7 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            _check(isinstance(value, int) and value > 0,
-                   f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            _int_at_least(getattr(self, name), _flag(name), 1)
         _check(self.hidden_size % self.num_attention_heads == 0,
                f"--hidden-size ({self.hidden_size}) must be divisible by "
                f"--num-attention-heads ({self.num_attention_heads})")
@@ -68,14 +121,14 @@ class ModelConfig:
                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                f"({self.max_position_embeddings})")
         for name in ("attention_dropout", "hidden_dropout"):
-            p = getattr(self, name)
-            _check(0.0 <= p < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+            _in_unit(getattr(self, name), _flag(name))
+        _finite(self.layernorm_epsilon, "--layernorm-epsilon", positive=True)
+        _finite(self.init_method_std, "--init-method-std", positive=True)
         _check(self.params_dtype in DTYPES,
                f"params dtype must be one of {sorted(DTYPES)}, got {self.params_dtype!r}")
-        _check(self.recompute_num_layers >= 1,
-               f"--checkpoint-num-layers must be >= 1, got {self.recompute_num_layers}")
+        _int_at_least(self.recompute_num_layers, "--checkpoint-num-layers", 1)
         if self.vocab_size is not None:
-            _check(self.vocab_size > 0, f"vocab size must be positive, got {self.vocab_size}")
+            _int_at_least(self.vocab_size, "--vocab-size", 1)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,15 +156,15 @@ class ParallelConfig:
     def __post_init__(self):
         tp, pp, world = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                          self.world_size)
-        _check(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
-        _check(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
-        _check(world >= 1, f"world size must be >= 1, got {world}")
+        _int_at_least(tp, "--tensor-model-parallel-size", 1)
+        _int_at_least(pp, "--pipeline-model-parallel-size", 1)
+        _int_at_least(world, "--world-size (or WORLD_SIZE)", 1)
         _check(world % (tp * pp) == 0,
                f"world size ({world}) is not divisible by --tensor-model-parallel-size ({tp}) "
                f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
         if self.virtual_pipeline_model_parallel_size is not None:
             v = self.virtual_pipeline_model_parallel_size
-            _check(v >= 1, f"virtual pipeline size must be >= 1, got {v}")
+            _int_at_least(v, "the number of virtual pipeline stages", 1)
             _check(pp > 1 or v == 1,
                    "--num-layers-per-virtual-pipeline-stage needs "
                    "--pipeline-model-parallel-size > 1")
@@ -121,9 +174,8 @@ class ParallelConfig:
                f"--distributed-backend must be gloo or nccl, got {self.distributed_backend!r}")
         _check(self.ring_collectives in ("auto", "ring", "native"),
                f"--ring-collectives must be auto, ring or native, got {self.ring_collectives!r}")
-        _check(self.distributed_timeout_minutes > 0,
-               "--distributed-timeout-minutes must be positive, got "
-               f"{self.distributed_timeout_minutes}")
+        _finite(self.distributed_timeout_minutes, "--distributed-timeout-minutes",
+                positive=True)
 
     @property
     def data_parallel_size(self) -> int:
@@ -177,24 +229,39 @@ class OptimizerConfig:
                f"--lr-decay-style must be constant, linear or cosine, got "
                f"{self.lr_decay_style!r}")
         _check(not (self.fp16 and self.bf16), "--fp16 and --bf16 cannot both be set")
-        _check(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
+        _finite(self.lr, "--lr", positive=False)
+        _finite(self.min_lr, "--min-lr", positive=False)
         _check(self.min_lr <= self.lr or self.lr == 0,
                f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        _int_at_least(self.lr_warmup_iters, "--lr-warmup-iters", 0)
+        _int_at_least(self.lr_warmup_samples, "--lr-warmup-samples", 0)
+        _optional_int_at_least(self.lr_decay_iters, "--lr-decay-iters", 1)
+        _optional_int_at_least(self.lr_decay_samples, "--lr-decay-samples", 1)
         if self.lr_warmup_fraction is not None:
-            _check(0.0 <= self.lr_warmup_fraction <= 1.0,
-                   f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+            _in_unit(self.lr_warmup_fraction, "--lr-warmup-fraction", closed=True)
             _check(self.lr_warmup_iters == 0 and self.lr_warmup_samples == 0,
                    "--lr-warmup-fraction cannot be combined with --lr-warmup-iters/samples")
+        _finite(self.weight_decay, "--weight-decay", positive=False)
+        _in_unit(self.adam_beta1, "--adam-beta1")
+        _in_unit(self.adam_beta2, "--adam-beta2")
+        _finite(self.adam_eps, "--adam-eps", positive=True)
+        _in_unit(self.sgd_momentum, "--sgd-momentum")
         _check(self.zero_stage in (0, 1, 2, 3),
                f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        _check(self.zero_reduce_bucket_size > 0,
-               f"--zero-reduce-bucket-size must be positive, got {self.zero_reduce_bucket_size}")
-        _check(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
-        _check(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}")
-        _check(self.loss_scale_window >= 1,
-               f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
+        _int_at_least(self.zero_reduce_bucket_size, "--zero-reduce-bucket-size", 1)
+        _int_at_least(self.zero_param_persistence_threshold,
+                      "--zero-param-persistence-threshold", 0)
+        _finite(self.clip_grad, "--clip-grad", positive=False)
+        _int_at_least(self.hysteresis, "--hysteresis", 1)
+        _int_at_least(self.loss_scale_window, "--loss-scale-window", 1)
         if self.loss_scale is not None:
-            _check(self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}")
+            _finite(self.loss_scale, "--loss-scale", positive=True)
+        _finite(self.initial_loss_scale, "--initial-loss-scale", positive=True)
+        _finite(self.min_loss_scale, "--min-loss-scale", positive=True)
+        if self.fp16 and self.loss_scale is None:  # the dynamic scaler's range
+            _check(self.min_loss_scale <= self.initial_loss_scale,
+                   f"--min-loss-scale ({self.min_loss_scale}) must not exceed "
+                   f"--initial-loss-scale ({self.initial_loss_scale})")
         _check(not (self.cpu_offload and self.zero_stage == 0),
                "--cpu-offload / --zero-offload-optimizer needs --zero-stage >= 1")
 
@@ -235,12 +302,16 @@ class DataConfig:
         except ValueError:
             raise ConfigError(
                 f"--split must be comma-separated numbers, got {self.split!r}") from None
-        _check(0 < len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
-               f"--split must hold up to 3 non-negative weights, got {self.split!r}")
+        _check(0 < len(weights) <= 3 and all(0 <= w < math.inf for w in weights)
+               and sum(weights) > 0,
+               f"--split must hold up to 3 finite non-negative weights (not all 0), got "
+               f"{self.split!r}")
+        _int_at_least(self.num_workers, "--num-workers", 0)
+        _optional_int_at_least(self.vocab_size, "--vocab-size", 1)
         if self.mock_data:
             _check(not self.data_path, "--mock-data and --data-path are exclusive")
             _check(self.vocab_size is not None and self.vocab_size > 1,
-                   "--mock-data needs --vocab-size (> 1)")
+                   f"--mock-data needs --vocab-size >= 2, got {self.vocab_size!r}")
         if self.data_path:
             _check(self.tokenizer_type is not None,
                    "--data-path needs --tokenizer-type (with its vocab/merge or model files)")
@@ -280,16 +351,28 @@ class TrainConfig:
     skip_train: bool = False
 
     def __post_init__(self):
-        _check(self.micro_batch_size >= 1,
-               f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _int_at_least(self.micro_batch_size, "--micro-batch-size", 1)
+        _optional_int_at_least(self.global_batch_size, "--global-batch-size", 1)
+        _optional_int_at_least(self.train_iters, "--train-iters", 0)
+        _optional_int_at_least(self.train_samples, "--train-samples", 0)
         _check(not (self.train_iters is not None and self.train_samples is not None),
                "use either --train-iters or --train-samples, not both")
-        _check(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}")
-        _check(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}")
-        _check(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
-        if self.save_interval is not None:
-            _check(self.save_interval >= 1,
-                   f"--save-interval must be >= 1, got {self.save_interval}")
+        _check(isinstance(self.seed, numbers.Integral) and 0 <= self.seed < SEED_LIMIT,
+               f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
+        _int_at_least(self.log_interval, "--log-interval", 1)
+        _int_at_least(self.eval_interval, "--eval-interval", 1)
+        _int_at_least(self.eval_iters, "--eval-iters", 0)
+        _optional_int_at_least(self.save_interval, "--save-interval", 1)
+        _optional_int_at_least(self.exit_interval, "--exit-interval", 1)
+        if self.exit_duration_in_mins is not None:
+            _finite(self.exit_duration_in_mins, "--exit-duration-in-mins", positive=True)
+        name = signal_name(self.exit_signal)
+        _check(name is not None,
+               "--exit-signal must be the name of a signal that can be caught, such as "
+               f"SIGTERM, SIGINT or SIGUSR1, got {self.exit_signal!r}")
+        self.exit_signal = name
+        _int_at_least(self.max_consecutive_skipped_iterations,
+                      "--max-consecutive-skipped-iterations", 0, " (0: never stop)")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 import os
 import sys
 
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointReader, load_checkpoint
-from megazero.config import MegazeroConfig
+from megazero.config import SEED_LIMIT, MegazeroConfig
 from megazero.distributed import comm
 from megazero.distributed.init import (
     destroy_distributed,
@@ -228,14 +229,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_errors(a: argparse.Namespace) -> list[str]:
+    """What is wrong with the numeric flags, each naming the flag, the value and the range."""
+    errors = []
+    if a.max_new_tokens < 1:
+        errors.append(f"--max-new-tokens must be an integer >= 1, got {a.max_new_tokens}")
+    if a.greedy:  # unused, but never nonsense
+        if not (math.isfinite(a.temperature) and a.temperature >= 0):
+            errors.append(f"--temperature must be a finite number >= 0, got {a.temperature}")
+    elif not (math.isfinite(a.temperature) and a.temperature > 0):
+        errors.append("--temperature must be a finite number > 0 (or use --greedy), got "
+                      f"{a.temperature}")
+    if a.top_k < 0:
+        errors.append(f"--top-k must be an integer >= 0 (0: no top-k filtering), got {a.top_k}")
+    if not 0.0 < a.top_p <= 1.0:
+        errors.append(f"--top-p must be in (0, 1], got {a.top_p}")
+    if not 0 <= a.seed < SEED_LIMIT:
+        errors.append(f"--seed must be an integer in [0, 2^63), got {a.seed}")
+    if a.tensor_model_parallel_size is not None and a.tensor_model_parallel_size < 1:
+        errors.append("--tensor-model-parallel-size must be an integer >= 1, got "
+                      f"{a.tensor_model_parallel_size}")
+    if a.iteration not in (None, "release") and \
+            not (a.iteration.isascii() and a.iteration.isdigit()):
+        errors.append(f"--iteration must be an integer >= 0 or 'release', got {a.iteration!r}")
+    return errors
+
+
+def parse_flags(argv=None) -> argparse.Namespace:
+    """The command line, checked: a bad value exits with code 2 (argparse's error) before any
+    checkpoint is opened."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    errors = flag_errors(a)
+    if errors:
+        parser.error("; ".join(errors))
+    return a
+
+
 def run(argv=None) -> dict:
     """Parse flags, load, generate; returns ``{"prompt_ids", "ids", "text", "full_text",
     "rank"}`` (``text``: the generated part; ``full_text``: prompt and generated part)."""
-    a = build_parser().parse_args(argv)
-    if not 0.0 < a.top_p <= 1.0:
-        raise ValueError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.top_k < 0:
-        raise ValueError(f"--top-k must be >= 0, got {a.top_k}")
+    a = parse_flags(argv)
     iteration = a.iteration if a.iteration in (None, "release") else int(a.iteration)
     model, config, ps = load_model(a.load, iteration=iteration,
                                    tp=a.tensor_model_parallel_size, device=a.device)

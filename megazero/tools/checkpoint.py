@@ -18,8 +18,17 @@ tp/pp/dp/ZeRO layout; it is read through ``CheckpointReader`` (memory-mapped, te
   is unchanged, else they are re-derived as the loader does (``checkpoint.rng``).
 * ``to-hf`` / ``from-hf``: GPT-2 in Hugging Face's ``GPT2LMHeadModel`` layout (``tools.hf``);
   from-hf writes iteration ``release``, which megazero loads with --finetune semantics
-  (iteration 0, no optimizer state). The tokenizer files of a GPT-2 BPE checkpoint travel too.
+  (iteration 0, no optimizer state), and copies the HF folder's ``vocab.json`` and
+  ``merges.txt`` into the checkpoint folder. to-hf exports the tokenizer (``vocab.json`` +
+  ``merges.txt``, or ``tokenizer.model``) from ``--vocab-file``/``--merge-file`` or
+  ``--tokenizer-model``, else from files inside the checkpoint folder.
 * ``to-fp32``: one consolidated fp32 state dict (``zero_to_fp32``).
+
+A checkpoint's stored args are untrusted input: no tool opens or copies a path taken from them
+(``vocab_file``, ``merge_file``, ``tokenizer_model``, ``data_path``, ``load``, ``save``,
+``tensorboard_dir``, ...). Files are read only when the command line names them or when their
+real path (symbolic links resolved) lies inside the checkpoint folder; a tokenizer the args
+name elsewhere is left out of an export, with a note saying which flag brings it in.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from megazero.config import (
 )
 from megazero.tensor_parallel.layers import padded_vocab_size
 from megazero.tensor_parallel.random import RNGStatesTracker
-from megazero.tokenizer import build_tokenizer
+from megazero.tokenizer import TokenizerError, build_tokenizer
 from megazero.tools import hf
 from megazero.tools.offline import offline_parallel_state, target_config, write_checkpoint
 from megazero.tools.zero_to_fp32 import main as zero_to_fp32
@@ -56,6 +65,94 @@ def _iteration(value):
     if value is None or value == "release":
         return value
     return int(value)
+
+
+# ---- flag types ------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in front of the message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def iteration_arg(text: str) -> str:
+    """argparse type: an iteration number >= 0 or ``release``."""
+    if text != "release" and not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 0 or 'release', got {text!r}")
+    return text
+
+
+# ---- tokenizer files: only what the user names -----------------------------------------------
+# (args field, file name in a checkpoint or HF folder, the flag that names it) per tokenizer
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": (("vocab_file", "vocab.json", "--vocab-file"),
+                         ("merge_file", "merges.txt", "--merge-file")),
+    "SentencePieceTokenizer": (("tokenizer_model", "tokenizer.model", "--tokenizer-model"),),
+}
+
+
+def file_inside(root: str, path) -> str | None:
+    """The real path of ``path`` (a relative one is taken from ``root``) when it is a regular
+    file whose real path lies inside ``root``'s, else None. Symbolic links are resolved first,
+    so a link inside the folder that points out of it is refused."""
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        real_root = os.path.realpath(root)
+        real = os.path.realpath(os.path.join(real_root, path))  # absolute paths stay as given
+        if os.path.commonpath([real_root, real]) != real_root or not os.path.isfile(real):
+            return None
+    except (OSError, ValueError):  # NUL bytes, unreadable parents
+        return None
+    return real
+
+
+def checkpoint_tokenizer_files(root: str, data: dict) -> tuple[dict[str, str], list[str]]:
+    """({args field: real path}, notes) of the tokenizer of a checkpoint's ``data`` args, taken
+    only from inside ``root``: the stored path when it lies inside the folder, else the
+    conventional name (``vocab.json``, ``merges.txt``, ``tokenizer.model``) at its top. Paths
+    the args name outside the folder are never opened; a note says which flag to pass."""
+    kind = data.get("tokenizer_type")
+    if kind not in TOKENIZER_FILES:
+        return {}, []
+    files, outside = {}, []
+    for field, name, _ in TOKENIZER_FILES[kind]:
+        stored = data.get(field)
+        found = file_inside(root, stored) or file_inside(root, name)
+        if found is None:
+            outside.append(f"{field}={stored!r}")
+        files[field] = found
+    if not outside:
+        return files, []
+    flags = " and ".join(flag for _, _, flag in TOKENIZER_FILES[kind])
+    return {}, [f"the tokenizer ({kind}) is not exported: the checkpoint's args name "
+                f"{', '.join(outside)}, which is not a file inside the checkpoint folder "
+                f"{root} (the tools read no other path a checkpoint names); pass {flags} "
+                "to include it"]
+
+
+def copy_into(src: str, folder: str, name: str) -> str:
+    """Copy file ``src`` to ``folder/name`` atomically (temporary name, then rename)."""
+    dst = os.path.join(folder, name)
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        return dst
+    tmp = f"{dst}.tmp.{os.getpid()}"
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return dst
+
+
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
 
 
 # ---- inspect ---------------------------------------------------------------------------------
@@ -227,6 +324,10 @@ def cmd_convert(a) -> int:
         optimizer=opt, scheduler=first.get("opt_param_scheduler"),
         consumed_train_samples=int(first.get("consumed_train_samples", 0)),
         rng_fn=_rng_fn(reader, config, first), overwrite=a.force)
+    tok_files, _ = checkpoint_tokenizer_files(reader.root, reader.args["data"])
+    for field, name, _ in TOKENIZER_FILES.get(reader.args["data"].get("tokenizer_type"), ()):
+        if field in tok_files:  # files inside the source folder travel with it
+            copy_into(tok_files[field], a.output, name)
     lay = reader.layout
     print(f"converted {reader.base} (tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} "
           f"zero_stage={lay['zero_stage']}) to {base} (tp={a.tp} pp={a.pp} dp=1 "
@@ -235,32 +336,52 @@ def cmd_convert(a) -> int:
 
 
 # ---- Hugging Face ----------------------------------------------------------------------------
-def _tokenizer_eod(data: dict, model: dict) -> int | None:
-    if data.get("mock_data"):
-        return model["vocab_size"] - 1
+def _export_tokenizer(a, root: str, data: dict, model: dict):
+    """(tokenizer type or None, {args field: path}, eod id or None) for to-hf: from the
+    command line's files (an error when they do not load), else from files inside the
+    checkpoint folder (left out, with a note, when they do not load), else none."""
+    flags = {"vocab_file": a.vocab_file, "merge_file": a.merge_file,
+             "tokenizer_model": a.tokenizer_model}
+    files = {k: v for k, v in flags.items() if v}
+    from_flags = bool(files)
+    if from_flags:
+        kind = "SentencePieceTokenizer" if a.tokenizer_model else "GPT2BPETokenizer"
+    else:
+        if data.get("mock_data"):
+            return None, {}, model["vocab_size"] - 1
+        kind = data.get("tokenizer_type")
+        files, notes = checkpoint_tokenizer_files(root, data)
+        for text in notes:
+            _note(text)
+        if not files:
+            return None, {}, None
     try:
-        return build_tokenizer(data["tokenizer_type"], vocab_file=data.get("vocab_file"),
-                               merge_file=data.get("merge_file"),
-                               tokenizer_model=data.get("tokenizer_model")).eod
-    except Exception:  # noqa: BLE001 - no tokenizer files here: leave the ids unset
-        return None
+        tokenizer = build_tokenizer(kind, **files)
+        if tokenizer.eod >= model["vocab_size"]:
+            raise TokenizerError(f"its end-of-document id {tokenizer.eod} is outside the "
+                                 f"model's vocabulary of {model['vocab_size']}")
+    except TokenizerError as exc:
+        if from_flags:
+            raise
+        _note(f"the tokenizer in the checkpoint folder is not exported: {exc}")
+        return None, {}, None
+    return kind, files, tokenizer.eod
 
 
 def cmd_to_hf(a) -> int:
     reader = CheckpointReader(a.checkpoint, _iteration(a.iteration))
     kind = "main" if reader.has_optimizer() else "model"
     dtype = getattr(torch, a.dtype)
-    full = {n: reader.full_tensor(n, kind).to(dtype) for n in reader.param_names()}
     model, data = reader.args["model"], reader.args["data"]
+    tok_kind, tok_files, eod = _export_tokenizer(a, reader.root, data, model)
+    full = {n: reader.full_tensor(n, kind).to(dtype) for n in reader.param_names()}
     tensors = hf.megazero_to_hf(full, model["num_attention_heads"])
-    cfg = hf.hf_config(model, eos_token_id=_tokenizer_eod(data, model), torch_dtype=a.dtype)
+    cfg = hf.hf_config(model, eos_token_id=eod, torch_dtype=a.dtype)
     path = hf.save_hf(a.output, tensors, cfg, a.format)
-    if data.get("tokenizer_type") == "GPT2BPETokenizer":
-        for src, dst in ((data.get("vocab_file"), "vocab.json"),
-                         (data.get("merge_file"), "merges.txt")):
-            if src and os.path.isfile(src):
-                shutil.copyfile(src, os.path.join(a.output, dst))
-    print(f"wrote {len(tensors)} tensors ({kind} values, {a.dtype}) to {path} and config.json")
+    names = [copy_into(tok_files[field], a.output, name)
+             for field, name, _ in TOKENIZER_FILES.get(tok_kind, ())]
+    print(f"wrote {len(tensors)} tensors ({kind} values, {a.dtype}) to {path} and config.json"
+          + (f"; tokenizer: {', '.join(os.path.basename(n) for n in names)}" if names else ""))
     return 0
 
 
@@ -272,12 +393,18 @@ def cmd_from_hf(a) -> int:
     if n_layer != model_args["num_layers"]:
         raise hf.HFFormatError(f"config.json says n_layer={model_args['num_layers']} but the "
                                f"weights hold {n_layer} layers")
+    if os.path.exists(iteration_dir(a.output, "release")) and not a.force:
+        raise CheckpointError(f"{iteration_dir(a.output, 'release')} already exists; remove "
+                              "it, pass --force or write elsewhere")
     vocab, merges = (os.path.join(os.path.abspath(a.hf_dir), f)
                      for f in ("vocab.json", "merges.txt"))
     data = DataConfig()
-    if os.path.isfile(vocab) and os.path.isfile(merges):
-        data = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
-                          merge_file=merges)
+    if os.path.isfile(vocab) and os.path.isfile(merges):  # into the checkpoint folder
+        os.makedirs(a.output, exist_ok=True)
+        data = DataConfig(tokenizer_type="GPT2BPETokenizer",
+                          vocab_file=os.path.abspath(copy_into(vocab, a.output, "vocab.json")),
+                          merge_file=os.path.abspath(copy_into(merges, a.output,
+                                                               "merges.txt")))
     config = MegazeroConfig(
         model=ModelConfig(**model_args,
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by),
@@ -320,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def ckpt(sp):
         sp.add_argument("checkpoint", help="the --save folder (with the tracker file)")
-        sp.add_argument("--iteration", default=None,
+        sp.add_argument("--iteration", default=None, type=iteration_arg,
                         help="iteration to read (default: the tracker's)")
 
     s = sub.add_parser("inspect", help="layout, iteration, tensors and sizes")
@@ -330,8 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", help="write the checkpoint for another layout (dp=1, ZeRO 0)")
     ckpt(s)
     s.add_argument("output", help="folder to write (a --save folder)")
-    s.add_argument("--tp", type=int, required=True, help="tensor-model-parallel size")
-    s.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size")
+    s.add_argument("--tp", type=positive_int, required=True, help="tensor-model-parallel size")
+    s.add_argument("--pp", type=positive_int, default=1, help="pipeline-model-parallel size")
     s.add_argument("--force", action="store_true", help="overwrite the iteration folder")
     s.set_defaults(fn=cmd_convert)
     s = sub.add_parser("to-hf", help="export to Hugging Face GPT2LMHeadModel files")
@@ -340,28 +467,41 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     s.add_argument("--format", default=None, choices=["safetensors", "bin"],
                    help="default: safetensors when the package is installed, else bin")
+    g = s.add_argument_group(
+        "tokenizer", "files to export with the weights (default: the tokenizer files inside "
+                     "the checkpoint folder; paths in the checkpoint's args are never read)")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model")
     s.set_defaults(fn=cmd_to_hf)
     s = sub.add_parser("from-hf", help="import Hugging Face GPT-2 as iteration 'release'")
     s.add_argument("hf_dir", help="folder with config.json and the weights")
     s.add_argument("output", help="folder to write (a --save folder)")
-    s.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size")
-    s.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size")
-    s.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    s.add_argument("--tp", type=positive_int, default=1, help="tensor-model-parallel size")
+    s.add_argument("--pp", type=positive_int, default=1, help="pipeline-model-parallel size")
+    s.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     s.add_argument("--force", action="store_true", help="overwrite the release folder")
     s.set_defaults(fn=cmd_from_hf)
     s = sub.add_parser("to-fp32", help="one consolidated fp32 state dict (zero_to_fp32)")
     s.add_argument("checkpoint", help="the --save folder (with the tracker file)")
     s.add_argument("output", help="file to write")
-    s.add_argument("--iteration", default=None)
+    s.add_argument("--iteration", default=None, type=iteration_arg)
     s.set_defaults(fn=cmd_to_fp32)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "to-hf":
+        if args.tokenizer_model and (args.vocab_file or args.merge_file):
+            parser.error("--tokenizer-model (SentencePiece) and --vocab-file/--merge-file "
+                         "(GPT-2 BPE) are exclusive")
+        if bool(args.vocab_file) != bool(args.merge_file):
+            parser.error("--vocab-file and --merge-file go together")
     try:
         return args.fn(args)
-    except (CheckpointError, ConfigError, hf.HFFormatError) as exc:
+    except (CheckpointError, ConfigError, hf.HFFormatError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     iteration = args.iteration
     if iteration is not None and iteration != "release":
+        if not (iteration.isascii() and iteration.isdigit()):
+            parser.error(f"--iteration must be an integer >= 0 or 'release', got {iteration!r}")
         iteration = int(iteration)
     try:
         state = consolidate(args.checkpoint, iteration)
