@@ -194,23 +194,27 @@ class Communicator:
         self.ring_policy = ring_policy
         self.stats = stats if stats is not None else CommStats()
         self.backend = backend  # stands in for the groups' own backend (the dry run)
-        self.names: dict = {}  # group -> name ("tp", "dp", ...), for messages and records
+        # group -> name ("tp", "dp", ...) and backend; weak, so that destroying the process
+        # groups frees them (a group alive at interpreter exit can abort it, see init)
+        self.names = weakref.WeakKeyDictionary()
         self.strict = True  # False: any device the backend can carry (unbound groups)
         self.recording = False
         self.records: list[CollectiveRecord] = []
         self._rings: dict = {}  # group -> (Ring, {"reduce_scatter": bool, "all_gather": bool})
-        self._backends: dict = {}  # group -> backend string
+        self._backends = weakref.WeakKeyDictionary()
 
     # ---- device checks and records -------------------------------------------------------
     def group_backend(self, group) -> str | None:
         if self.backend is not None:
             return self.backend
+        if group is None:
+            return backend_of(None)
         if group not in self._backends:
             self._backends[group] = backend_of(group)
         return self._backends[group]
 
     def group_name(self, group) -> str:
-        name = self.names.get(group)
+        name = self.names.get(group) if group is not None else None
         if name is not None:
             return name
         if group is None or not (dist.is_available() and dist.is_initialized()):
