@@ -1,9 +1,14 @@
 """Checkpoints in Megatron's layout that load at any layout.
 
-- ``paths``: file names, the tracker, atomic writes, ``load_file`` (``weights_only=True``).
+- ``paths``: file names, the tracker, atomic writes with a CRC-32 sidecar and the file's
+  coordinates, ``verify_file`` (before unpickling), ``load_file`` (``weights_only=True``),
+  defensive parsing of the tracker and ``layout.json``, removal of dead writers' temporaries.
 - ``save``: ``save_checkpoint`` (model files per (tp, pp) cell, ZeRO shards per dp rank,
-  ``layout.json``, the tracker last).
-- ``reader``: ``CheckpointReader``, memory-mapped access to any region of any saved tensor.
+  ``layout.json``, the tracker last; never NaN or inf).
+- ``savedir``: ``prepare_save_dir`` (writable ``--save``, its lock, no ``--load`` typo that
+  would move the tracker back).
+- ``reader``: ``CheckpointReader``, memory-mapped access to any region of any saved tensor,
+  every file checked against its checksum and coordinates.
 - ``load``: ``load_checkpoint``, the one load path (the same layout is the reader's special
   case); returns a ``LoadedCheckpoint`` for the caller to apply.
 - ``reshard``: ``assemble`` / ``cut`` full tensors from and to shards; ``rng``: RNG states.
@@ -14,9 +19,11 @@ the optimizers' classes or training: the optimizer is reached through its
 """
 
 from megazero.checkpoint.load import LoadedCheckpoint, checkpoint_model_args, load_checkpoint
-from megazero.checkpoint.paths import CheckpointError, read_tracker
+from megazero.checkpoint.paths import CheckpointError, read_tracker, verify_file
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.save import save_checkpoint
+from megazero.checkpoint.savedir import SaveDirGuard, prepare_save_dir
 
-__all__ = ["CheckpointError", "CheckpointReader", "LoadedCheckpoint", "checkpoint_model_args",
-           "load_checkpoint", "read_tracker", "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointReader", "LoadedCheckpoint", "SaveDirGuard",
+           "checkpoint_model_args", "load_checkpoint", "prepare_save_dir", "read_tracker",
+           "save_checkpoint", "verify_file"]

@@ -30,7 +30,7 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.rng import rederive_rng, set_rng_state
 from megazero.checkpoint.save import layout_of, model_shape
 from megazero.distributed import comm
-from megazero.distributed.parallel_state import ParallelState
+from megazero.distributed.parallel_state import ParallelState, rank_of
 from megazero.tensor_parallel.meta import meta_of
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,10 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
     """Load iteration ``iteration`` (default: the tracker's) of checkpoint ``root``.
 
     Without a tracker file (and no ``iteration``), log Megatron's message and return an empty
-    ``LoadedCheckpoint``: training starts fresh.
+    ``LoadedCheckpoint``: training starts fresh. A malformed tracker (a folder, binary junk,
+    not a non-negative integer, an iteration without its folder) is a ``CheckpointError``.
+    Every file read is checked against its recorded coordinates and (unless
+    ``--no-verify-checkpoint``) its checksum (``CheckpointReader``).
     """
     if iteration is None:
         iteration = read_tracker(root)
@@ -96,12 +99,13 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
             logger.warning("WARNING: could not find the metadata file %s", tracker_path(root))
             logger.warning("    will not load any checkpoints and will start from random")
         return LoadedCheckpoint()
-    reader = CheckpointReader(root, iteration)
-    check_model_shape(reader.args, config, reader.base)
+    reader = CheckpointReader(root, iteration, verify=config.train.verify_checkpoint)
     tcfg = config.train
     finetune = tcfg.finetune or iteration == "release"
     load_optim = not (finetune or tcfg.no_load_optim) and optimizer is not None
     zero3 = config.optimizer.zero_stage == 3
+    verify_together(reader, ps, shards=load_optim or reader.stage == 3)
+    check_model_shape(reader.args, config, reader.base)
     params = {name: p for chunk in model_chunks for name, p in chunk.named_parameters()}
 
     def region(name, kind, a=0, b=None):
@@ -141,6 +145,34 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
     return LoadedCheckpoint(iteration=iteration, start_iteration=start,
                             consumed_train_samples=consumed, args=reader.args,
                             layout=dict(reader.layout))
+
+
+def verify_together(reader: CheckpointReader, ps: ParallelState, shards: bool = True) -> None:
+    """Check the files a load needs before any is read, each by one rank (a share of the
+    checksum passes each), and agree: a bad file is the same ``CheckpointError`` on every
+    rank, never one rank failing while the others wait in a collective."""
+    files = reader.files(shards=shards)
+    same_grid = (reader.tp, reader.pp, reader.dp) == (ps.tp_size, ps.pp_size, ps.dp_size)
+
+    def checker(i: int, key: tuple) -> int:
+        """At the saved grid, the rank that reads the file anyway (its page cache serves the
+        read after the check); otherwise round robin."""
+        if not same_grid:
+            return i % ps.world_size
+        t, p, d = key[0], key[1], key[2] if len(key) == 3 else 0
+        return rank_of(t, d, p, ps.tp_size, ps.dp_size)
+
+    error = None
+    try:
+        reader.verify_files([f for i, f in enumerate(files) if checker(i, f[1]) == ps.rank])
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = [e for e in comm.all_gather_object(error, ps.world_group) if e]
+    if errors:
+        more = f" (and {len(errors) - 1} more problems found by other ranks)" \
+            if len(errors) > 1 else ""
+        raise CheckpointError(errors[0] + more)
+    reader.mark_verified(path for path, _ in files)
 
 
 def _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3: bool) -> None:
@@ -198,4 +230,4 @@ def _load_rng(reader, config, ps, tracker, first) -> None:
 
 
 __all__ = ["LoadedCheckpoint", "checkpoint_model_args", "check_model_shape", "load_checkpoint",
-           "same_layout"]
+           "same_layout", "verify_together"]

@@ -11,10 +11,16 @@ layout) it is copied as it is, with no index arithmetic: the same-layout load is
 reader's special case. Files are memory-mapped (``torch.load(mmap=True, weights_only=True)``),
 so a rank touches only the pages of its own slices and never builds the full model. No
 process group is needed.
+
+Each file is checked once, when first opened (or up front by ``verify_files``): its ``.crc``
+sidecar's coordinates and the size and CRC-32 of its bytes (one sequential read, before
+anything is unpickled; ``verify=False`` skips this), then the coordinates the file records
+(always). ``load.verify_together`` shares these checks among the ranks of a load.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import cache
 
@@ -22,48 +28,185 @@ import numpy as np
 import torch
 
 from megazero.checkpoint.paths import (
+    LAYOUT_FILE,
     MODEL_FILE,
     CheckpointError,
     cell_dir,
+    check_coords,
+    checksum_path,
+    file_coords,
     iteration_dir,
     load_file,
+    read_layout_file,
     read_tracker,
     saved_pp_size,
+    verify_file,
     zero_shard_name,
 )
 from megazero.tensor_parallel.initializers import _global_flat_index
 from megazero.tensor_parallel.meta import ShardInfo
 
+logger = logging.getLogger(__name__)
+
+_LAYOUT_KEYS = ("tp", "pp", "dp", "virtual", "zero_stage")
+
 
 class CheckpointReader:
-    """Lazy, memory-mapped access to the files of one saved iteration."""
+    """Lazy, memory-mapped access to the files of one saved iteration.
 
-    def __init__(self, root: str, iteration: int | str | None = None):
+    Every file is checked when it is first opened: against its ``.crc`` sidecar (size and
+    CRC-32 of its bytes, before it is unpickled; skipped with ``verify=False``) and its
+    recorded coordinates (kind, iteration, tp/pp rank and size, dp rank and size of a ZeRO
+    shard) against the place it is read from (always). A mismatch is a ``CheckpointError``
+    naming the file and what differs. Checkpoints written before these records load with a
+    warning."""
+
+    def __init__(self, root: str, iteration: int | str | None = None, *, verify: bool = True):
         self.root = root
+        self.verify = verify
         if iteration is None:
             iteration = read_tracker(root)
             if iteration is None:
                 raise CheckpointError(f"{root} has no latest_checkpointed_iteration.txt")
         self.iteration = iteration
         self.base = iteration_dir(root, iteration)
-        first = load_file(os.path.join(cell_dir(root, iteration, 0, 0, saved_pp_size(self.base)),
-                                       MODEL_FILE), mmap=True)
-        self.layout, self.args = first["layout"], first["args"]
+        if not os.path.isdir(self.base):
+            raise CheckpointError(f"checkpoint {root} has no folder {self.base} for iteration "
+                                  f"{iteration}")
+        self.layout_file = read_layout_file(root, iteration)
+        # format 2 records checksums in layout.json: then every file must have its sidecar
+        self.checksummed = bool(self.layout_file and self.layout_file.get("checksums"))
+        self._unchecked: list[str] = []
+        self._verified: set[str] = set()
+        self._first = None
+        self.tp = self.pp = self.dp = None
+        if self.layout_file is not None:  # no file opened yet: a load verifies them first
+            self.layout = dict(self.layout_file["layout"])
+        else:  # checkpoints written before layout.json: the first model file's layout
+            path = os.path.join(cell_dir(root, iteration, 0, 0, saved_pp_size(self.base)),
+                                MODEL_FILE)
+            self._first = self._open(path, self._coords("model", 0, 0))
+            self.layout = self._first.get("layout")
+            if not isinstance(self.layout, dict):
+                raise CheckpointError(f"checkpoint file {path} has no layout: not a megazero "
+                                      "model file")
         self.tp, self.pp, self.dp = self.layout["tp"], self.layout["pp"], self.layout["dp"]
         self.stage = self.layout["zero_stage"]
+        if self._first is not None:
+            check_coords(path, self._first.get("coords"), self._coords("model", 0, 0))
         self.model_file = cache(self._model_file)
         self.shard = cache(self._shard)
         self._where = {}
 
+    @property
+    def args(self) -> dict:
+        """The config the checkpoint was saved with (from the first model file)."""
+        args = self.model_file(0, 0).get("args")
+        if not isinstance(args, dict):
+            raise CheckpointError(f"checkpoint file {self._path(0, 0)} holds no saved config "
+                                  "(args): not a megazero model file")
+        return args
+
     def cell_dir(self, tp_rank: int, pp_rank: int) -> str:
         return cell_dir(self.root, self.iteration, tp_rank, pp_rank, self.pp)
 
+    def _coords(self, kind: str, tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> dict:
+        """The coordinates a file read from this place must record (sizes once known)."""
+        iteration = self.iteration if isinstance(self.iteration, int) else None
+        return file_coords(kind, iteration, tp_rank, self.tp, pp_rank, self.pp, dp_rank,
+                           self.dp if dp_rank is not None else None)
+
+    def _check_sidecar(self, path: str, expected: dict) -> bool:
+        """Verify a file against its sidecar (coordinates, size, CRC-32) before it is
+        unpickled; False when it has none (allowed for checkpoints saved before format 2)."""
+        if path in self._verified:
+            return True
+        if verify_file(path, expected) is not None:
+            self._verified.add(path)
+            return True
+        if self.checksummed:
+            raise CheckpointError(f"checkpoint file {path} has no checksum file "
+                                  f"{checksum_path(path)}, which every file of this "
+                                  "checkpoint has (deleted?)")
+        return False
+
+    def _open(self, path: str, expected: dict) -> dict:
+        """Verify (with ``verify``), memory-map one file, and check the coordinates it
+        records against ``expected``."""
+        checked = self._check_sidecar(path, expected) if self.verify else False
+        state = load_file(path, mmap=True)
+        has_coords = check_coords(path, state.get("coords"), expected)
+        if self.verify and not checked and state.get("megazero_format", 1) >= 2:
+            raise CheckpointError(f"checkpoint file {path} was saved with a checksum, but its "
+                                  f"checksum file {checksum_path(path)} is missing")
+        if not has_coords or (self.verify and not checked):
+            if not self._unchecked:
+                logger.warning("checkpoint %s was saved without %s: loading its files "
+                               "unverified (re-save it to add them)", self.base,
+                               "checksums or coordinates" if not has_coords else "checksums")
+            self._unchecked.append(path)
+        return state
+
+    def expected_coords(self, key: tuple) -> dict:
+        """The coordinates of file ``key`` ((tp, pp): a model file; (tp, pp, dp): a shard)."""
+        return self._coords("model", *key) if len(key) == 2 else \
+            self._coords("zero_shard", *key)
+
+    def _path(self, tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> str:
+        name = MODEL_FILE if dp_rank is None else zero_shard_name(dp_rank)
+        return os.path.join(self.cell_dir(tp_rank, pp_rank), name)
+
     def _model_file(self, tp_rank: int, pp_rank: int) -> dict:
-        return load_file(os.path.join(self.cell_dir(tp_rank, pp_rank), MODEL_FILE), mmap=True)
+        if (tp_rank, pp_rank) == (0, 0) and self._first is not None:
+            return self._first
+        path = self._path(tp_rank, pp_rank)
+        state = self._open(path, self._coords("model", tp_rank, pp_rank))
+        layout = state.get("layout")
+        diffs = [f"{k}: {self.layout.get(k)!r} vs {layout.get(k)!r}" for k in _LAYOUT_KEYS
+                 if self.layout.get(k) != layout.get(k)] if isinstance(layout, dict) else \
+            ["no layout in the file"]
+        if diffs:
+            raise CheckpointError(f"layout file {os.path.join(self.base, LAYOUT_FILE)} and "
+                                  f"{path} disagree (" + "; ".join(diffs) + ")")
+        return state
 
     def _shard(self, tp_rank: int, pp_rank: int, dp_rank: int) -> dict:
-        return load_file(os.path.join(self.cell_dir(tp_rank, pp_rank), zero_shard_name(dp_rank)),
-                         mmap=True)
+        return self._open(self._path(tp_rank, pp_rank, dp_rank),
+                          self._coords("zero_shard", tp_rank, pp_rank, dp_rank))
+
+    def files(self, shards: bool = True) -> list[tuple[str, tuple]]:
+        """(path, (tp, pp) or (tp, pp, dp)) of every file this iteration holds: the model
+        files and (``shards``) the ZeRO shards, when it has them."""
+        shards = shards and (self.stage == 3 or self.stage > 0 and os.path.exists(
+            os.path.join(self.cell_dir(0, 0), zero_shard_name(0))))
+        out = []
+        for p in range(self.pp):
+            for t in range(self.tp):
+                out.append((self._path(t, p), (t, p)))
+                for d in range(self.dp if shards else 0):
+                    out.append((self._path(t, p, d), (t, p, d)))
+        return out
+
+    def verify_files(self, files: list[tuple[str, tuple]]) -> None:
+        """Check ``files`` (from ``files()``) now: coordinates and (with ``verify``)
+        checksums, before unpickling where a sidecar allows it. Checked files are not
+        checked again when they are read."""
+        for path, key in files:
+            expected = self.expected_coords(key)
+            if self.verify and self._check_sidecar(path, expected):
+                continue
+            self._open(path, expected)
+
+    def mark_verified(self, paths) -> None:
+        """Files checked elsewhere (by other ranks of a load): read without a second pass."""
+        if self.verify:
+            self._verified.update(paths)
+
+    def verify_all(self) -> list[str]:
+        """Check every file of this iteration; returns their paths."""
+        files = self.files()
+        self.verify_files(files)
+        return [path for path, _ in files]
 
     # ---- metadata --------------------------------------------------------------------------
     def param_names(self) -> list[str]:

@@ -32,6 +32,7 @@ from megazero.checkpoint.paths import (
     atomic_save,
     atomic_write_text,
     cell_dir,
+    file_coords,
     iteration_dir,
     tracker_path,
 )
@@ -150,9 +151,10 @@ def write_checkpoint(out: str, iteration: int | str, config: MegazeroConfig, *,
                     st["optimizer"]["fragments"][name] = [frag]
             del full
         for t, st in enumerate(states):
-            atomic_save(st, os.path.join(cell_dir(out, iteration, t, pp_rank, pp), MODEL_FILE))
+            atomic_save(st, os.path.join(cell_dir(out, iteration, t, pp_rank, pp), MODEL_FILE),
+                        file_coords("model", saved_iteration, t, tp, pp_rank, pp))
         del states
-    write_layout_file(out, iteration, layout, config)
+    write_layout_file(out, iteration, layout, config, checksums=True)
     atomic_write_text(tracker_path(out), f"{iteration}\n")
     return base
 

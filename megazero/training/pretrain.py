@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megazero.checkpoint import checkpoint_model_args, load_checkpoint, save_checkpoint
+from megazero.checkpoint import (
+    checkpoint_model_args,
+    load_checkpoint,
+    prepare_save_dir,
+    save_checkpoint,
+)
 from megazero.config import MegazeroConfig
 from megazero.data_parallel import build_optimizer
 from megazero.distributed import comm
@@ -116,6 +121,16 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     start = time.time()
     ps = ps or init_distributed(config.parallel)
     setup_logging(ps)
+    save_dir = prepare_save_dir(config, ps)  # --save writable and locked, before any work
+    try:
+        return _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func,
+                         config, ps, zero3_unit_policy, on_ready, start)
+    finally:
+        save_dir.release()
+
+
+def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, config,
+              ps, zero3_unit_policy, on_ready, start) -> PretrainResult:
     tracker = set_random_seed(config.train.seed, ps)
     tokenizer = prepare_tokenizer(config, ps)
     if config.train.load and config.train.use_checkpoint_args:
