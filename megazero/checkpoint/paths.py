@@ -309,8 +309,9 @@ def _layout_problem(data) -> str | None:
     if virtual is not None and not (isinstance(virtual, int) and virtual >= 1):
         return f"layout.virtual null or a positive integer, got {virtual!r}"
     if not isinstance(model, dict) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in model.values()):
-        return f"a 'model' object of non-negative integers, got {model!r}"
+            v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+            for v in model.values()):  # None: unknown (the engine's models have no vocab)
+        return f"a 'model' object of non-negative integers (or null), got {model!r}"
     return None
 
 
