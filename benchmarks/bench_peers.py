@@ -1,0 +1,402 @@
+"""megazero's ZeRO stages against PyTorch's data-parallel tools, side by side, on one GPT-2.
+
+One run, interleaved rounds: within a round every contender runs once, one after another
+(the order rotated each round), over ``--rounds`` rounds. Every contender trains the same model,
+megazero's GPT-2 (``megazero.model.build_gpt_model_chunks`` with a ``ParallelState`` of tp=1,
+pp=1: ``--layers`` layers of ``--hidden``, ``--heads`` heads, ``--seq`` tokens, ``--vocab``
+tokens, no dropout, fp32), with data parallelism over ``--dp`` ranks on gloo. Each
+contender-round runs in freshly spawned worker processes (``torch.multiprocessing`` spawn, a
+``TCPStore`` on a free port, one thread per rank: ``torch.set_num_threads(1)``,
+``OMP_NUM_THREADS=1``), so that the peak RSS of a process is that contender's own. The
+contenders:
+
+* ``mz-zero0`` .. ``mz-zero3``: ``megazero.data_parallel.build_optimizer`` with
+  ``OptimizerConfig(zero_stage=s, optimizer="adam")`` (ZeRO-3: the model is built on the meta
+  device and the optimizer materialises each rank's partition, gathering one unit at a time by
+  ``gpt_zero3_units``, as ``pretrain_gpt2.py`` does);
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (``gradient_as_bucket_view=True``)
+  with ``torch.optim.AdamW`` on every rank;
+* ``ddp+zero-ro``: DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`` (the
+  reference of the ratio column);
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every transformer layer and on the root
+  (a ``cpu`` device mesh), ``torch.optim.AdamW`` over the sharded parameters;
+* ``ds-zero1``, ``ds-zero2``: DeepSpeed ZeRO-1/2, reported as SKIP: when ``import deepspeed``
+  fails (it is not a dependency), and otherwise too, since no DeepSpeed driver is written yet.
+
+Initial weights: megazero's initialiser draws every element from (seed, parameter name, element
+index), so building the model with one seed gives identical weights to every contender; the
+torch contenders wrap that very ``GPTModel``, and ZeRO-3 fills its partitions from the same
+seed. Every optimizer uses AdamW with lr ``--lr``, betas 0.9/0.999, eps 1e-8, weight decay 0
+(so that the no-decay rules of the tools cannot differ) and no gradient clipping, at a constant
+learning rate. Each rank's token batches (``--micro-batch`` sequences of ``--seq + 1`` random
+tokens per step) are made before timing; the loss is the mean per-token cross entropy.
+
+A step is ``opt.zero_grad(); loss = model(tokens, positions, labels=labels).mean();
+loss.backward(); opt.finish_grad_sync(); opt.step()`` (torch contenders have no
+``finish_grad_sync``: DDP and FSDP2 reduce the gradients inside backward, so their sync phase
+is zero and the reduction shows in backward), entered by every rank after a barrier (not
+counted). A single micro-batch per step, so no ``no_sync`` is involved. Each rank times the
+step and its phases (forward, backward, sync, step); a step's time and each phase's are those
+of the slowest rank. Per contender-round ``--warmup`` steps, then ``--steps`` measured ones.
+Reported per contender:
+
+* step ms: median over all measured steps of all rounds; round medians: the range of the
+  per-round medians; ratio: its step time over ``ddp+zero-ro``'s (below 1 = faster);
+* phases: the median of each phase (slowest rank);
+* peak RSS: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of each worker at the end of the
+  contender-round, max over the ranks, median over the rounds (the whole process: Python,
+  torch, megazero, data and activations included, identical for all but the model states);
+* model states MB per rank (params/grads/optimizer states): megazero's
+  ``optimizer.memory_report()`` (params + grads + fp32 main params + optimizer states; in fp32
+  there is no separate main copy); torch: the bytes of the parameters, gradients and optimizer
+  state tensors this rank holds (local shards for FSDP2's DTensors; DDP's gradients are views
+  of its buckets, so the buckets are counted once), the max over ranks;
+* loss: after the measured steps, on a fixed batch (the same on every rank, dp mean), which
+  should agree across contenders to float rounding since initial weights and data agree.
+
+    python benchmarks/bench_peers.py [--dp 2] [--layers 4 --hidden 512 --heads 8 --seq 256 \
+        --vocab 8192 --micro-batch 4] [--warmup 1 --steps 3 --rounds 5] \
+        [--contenders mz-zero0 ... fsdp2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import queue
+import resource
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("forward", "backward", "sync", "step")
+MEGAZERO = ("mz-zero0", "mz-zero1", "mz-zero2", "mz-zero3")
+TORCH = ("ddp", "ddp+zero-ro", "fsdp2")
+DEEPSPEED = ("ds-zero1", "ds-zero2")
+CONTENDERS = MEGAZERO + TORCH + DEEPSPEED
+REFERENCE = "ddp+zero-ro"
+SEED = 1234
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+class Skip(Exception):
+    """A contender that cannot run here (the reason is printed in the table)."""
+
+
+def _model_config(args):
+    from megazero.config import ModelConfig
+
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                       num_attention_heads=args.heads, seq_length=args.seq,
+                       vocab_size=args.vocab, attention_dropout=0.0, hidden_dropout=0.0)
+
+
+def _batch(args, index: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(SEED + index * world + rank)
+    t = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g)
+    pos = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1)
+    return t[:, :-1].contiguous(), pos, t[:, 1:].contiguous()
+
+
+def _nbytes(t) -> int:
+    if t is None or not isinstance(t, torch.Tensor):
+        return 0
+    if hasattr(t, "to_local"):  # DTensor: this rank's shard
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def _torch_states(model, optim) -> dict:
+    params = list(model.parameters())
+    states = 0
+    for st in optim.state.values():
+        states += sum(_nbytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+    return {"params": sum(_nbytes(p) for p in params),
+            "grads": sum(_nbytes(p.grad) for p in params), "main_params": 0,
+            "optimizer_states": states}
+
+
+class _TorchOpt:
+    """zero_grad/finish_grad_sync/step/memory_report over a torch model and optimizer."""
+
+    def __init__(self, model, optim, inner):
+        self.model, self.optim, self.inner = model, optim, inner
+
+    def zero_grad(self):
+        self.optim.zero_grad(set_to_none=True)
+
+    def finish_grad_sync(self):
+        pass
+
+    def step(self):
+        self.optim.step()
+
+    def memory_report(self):
+        states = _torch_states(self.model, self.inner)
+        return states
+
+
+def _adamw(params, args):
+    return torch.optim.AdamW(params, lr=args.lr, betas=BETAS, eps=EPS, weight_decay=0.0)
+
+
+def _build(kind, args, ps):
+    """(module to call, optimizer-like object) of one contender, from the common seed."""
+    from megazero.model import build_gpt_model_chunks, gpt_zero3_units
+
+    cfg = _model_config(args)
+    if kind in DEEPSPEED:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError as e:
+            raise Skip(f"deepspeed not installed ({e})") from None
+        raise Skip("deepspeed is installed but this benchmark has no DeepSpeed driver yet")
+    if kind in MEGAZERO:
+        from megazero.config import OptimizerConfig
+        from megazero.data_parallel import build_optimizer
+
+        stage = int(kind[-1])
+        zero3 = stage == 3
+        chunks = build_gpt_model_chunks(cfg, ps, seed=None if zero3 else SEED,
+                                        device="meta" if zero3 else ps.device)
+        config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
+                                 adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+                                 clip_grad=0.0, zero_stage=stage)
+        opt = build_optimizer(chunks, config, ps, seed=SEED,
+                              unit_policy=gpt_zero3_units if zero3 else None)
+        return chunks[0], opt
+    (model,) = build_gpt_model_chunks(cfg, ps, seed=SEED, device=ps.device)
+    if kind == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        inner = _adamw(ddp.parameters(), args)
+        return ddp, _TorchOpt(model, inner, inner)
+    if kind == "ddp+zero-ro":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        zro = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=args.lr, betas=BETAS, eps=EPS, weight_decay=0.0)
+        return ddp, _TorchOpt(model, zro, zro.optim)  # zro.optim: this rank's shard
+    if kind == "fsdp2":
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in model.layers.values():
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        except Exception as e:  # noqa: BLE001
+            raise Skip(f"fully_shard failed on CPU/gloo: {type(e).__name__}: {e}") from None
+        inner = _adamw(model.parameters(), args)
+        return model, _TorchOpt(model, inner, inner)
+    raise ValueError(kind)
+
+
+def _loss(module, batch):
+    tokens, pos, labels = batch
+    return module(tokens, pos, None, labels=labels).mean()
+
+
+def _run_contender(kind, args, ps):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = [_batch(args, i, rank, world) for i in range(args.warmup + args.steps)]
+    eval_batch = _batch(args, 10_000, 0, 1)  # the same on every rank
+    module, opt = _build(kind, args, ps)
+    times = []
+    for i, batch in enumerate(data):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = _loss(module, batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.finish_grad_sync()
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        if i >= args.warmup:
+            times.append((t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+    memory = opt.memory_report()
+    with torch.no_grad():
+        final = _loss(module, eval_batch).detach().reshape(1).double()
+    dist.all_reduce(final)
+    return {"times": times, "memory": memory, "loss": float(final) / world,
+            "psi": sum(p.numel() for p in _model_params(args, ps))}
+
+
+def _model_params(args, ps):
+    from megazero.model import build_gpt_model_chunks
+
+    (model,) = build_gpt_model_chunks(_model_config(args), ps, device="meta")
+    return list(model.parameters())
+
+
+def _worker(rank, world, port, kind, args, out):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    sys.path.insert(0, REPO)
+    # ZeRO-3's module hooks on the embedding, whose inputs (token ids) need no gradient
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    try:
+        from megazero.distributed.parallel_state import ParallelState
+
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=10))
+        ps = ParallelState.build()
+        try:
+            r = _run_contender(kind, args, ps)
+        except Skip as e:
+            out.put(("skip", rank, str(e)))
+        else:
+            r["rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            out.put(("ok", rank, r))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+
+        out.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run(kind, args, world):
+    """One contender-round in fresh processes: the per-rank results, or ('skip', reason)."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world, store.port, kind, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, problem = [None] * world, None
+    try:
+        for _ in range(world):
+            status, rank, value = out.get(timeout=args.timeout)
+            if status == "ok":
+                results[rank] = value
+            elif problem is None or status == "err":
+                problem = (status, value)
+    except queue.Empty:
+        problem = ("err", f"no result in {args.timeout} s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return problem if problem is not None else ("ok", results)
+
+
+def summarize(per_round):
+    """Per contender: slowest-rank step and phase times (median over all measured steps,
+    range of the per-round medians), peak RSS, model states and losses."""
+    slowest, round_medians, rss, losses = [], [], [], []
+    for ranks in per_round:
+        steps = [tuple(max(col) for col in zip(*step))
+                 for step in zip(*(r["times"] for r in ranks))]
+        slowest += steps
+        round_medians.append(statistics.median(s[0] for s in steps))
+        rss.append(max(r["rss_kb"] for r in ranks) * 1024)
+        losses.append(ranks[0]["loss"])
+    mems = [r["memory"] for r in per_round[-1]]
+    keys = ("params", "grads", "main_params", "optimizer_states")
+    mem = max(mems, key=lambda m: sum(m[k] for k in keys))
+    return {"step": statistics.median(s[0] for s in slowest),
+            "range": (min(round_medians), max(round_medians)),
+            "phases": {p: statistics.median(s[j + 1] for s in slowest)
+                       for j, p in enumerate(PHASES)},
+            "rss": statistics.median(rss), "memory": mem,
+            "states": sum(mem[k] for k in keys), "loss": losses,
+            "psi": per_round[-1][0]["psi"]}
+
+
+def print_table(rows, skips, args, world):
+    mb = 1e6
+    psi = next((r["psi"] for r in rows.values()), 0)
+    print(f"\ndp={world}, gloo: megazero GPT-2 {args.layers} layers x hidden {args.hidden} "
+          f"({args.heads} heads), seq {args.seq}, vocab {args.vocab}, {psi / 1e6:.2f}M params "
+          f"(fp32), micro-batch {args.micro_batch} per rank; {args.rounds} rounds x "
+          f"{args.steps} measured steps (after {args.warmup} warm-up), fresh processes per "
+          f"contender-round; AdamW lr {args.lr:g}, wd 0, no clipping")
+    ref = rows.get(REFERENCE)
+    print(f"| contender | step ms (median) | round medians | vs {REFERENCE} | fwd ms | "
+          "bwd ms | sync ms | step ms | peak RSS MB/rank | model states MB/rank (p/g/main/opt) "
+          "| loss after |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for kind in args.contenders:
+        if kind in skips:
+            print(f"| {kind} | SKIP: {skips[kind]} | | | | | | | | | |")
+            continue
+        r = rows[kind]
+        m, ph = r["memory"], r["phases"]
+        lo, hi = r["range"]
+        ratio = f"{r['step'] / ref['step']:.2f}x" if ref else "n/a"
+        breakdown = "/".join(f"{m[k] / mb:.1f}" for k in ("params", "grads", "main_params",
+                                                         "optimizer_states"))
+        losses = ", ".join(f"{x:.6f}" for x in sorted(set(r["loss"])))
+        print(f"| {kind} | {r['step'] * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | {ratio} | "
+              f"{ph['forward'] * 1e3:.1f} | {ph['backward'] * 1e3:.1f} | "
+              f"{ph['sync'] * 1e3:.1f} | {ph['step'] * 1e3:.1f} | {r['rss'] / mb:.0f} | "
+              f"{r['states'] / mb:.1f} ({breakdown}) | {losses} |")
+    all_losses = [x for r in rows.values() for x in r["loss"]]
+    if all_losses:
+        lo, hi = min(all_losses), max(all_losses)
+        print(f"\nloss after the steps over all contenders and rounds: {lo:.7f} .. {hi:.7f} "
+              f"(largest relative difference {(hi - lo) / abs(lo):.2e})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
+                        choices=CONTENDERS)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank and step")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
+    print(f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} at start")
+    t_start = time.perf_counter()
+    results = {k: [] for k in args.contenders}
+    skips = {}
+    n = len(args.contenders)
+    for rnd in range(args.rounds):
+        order = args.contenders[rnd % n:] + args.contenders[:rnd % n]
+        for kind in order:
+            if kind in skips:
+                continue
+            status, value = run(kind, args, args.dp)
+            if status == "ok":
+                results[kind].append(value)
+            elif status == "skip":
+                skips[kind] = value
+            else:
+                first = value.strip().splitlines()[0]
+                print(f"{kind} failed (round {rnd}):\n{value}", file=sys.stderr)
+                skips[kind] = f"failed: {first}"
+    rows = {k: summarize(v) for k, v in results.items() if v and k not in skips}
+    print_table(rows, skips, args, args.dp)
+    print(f"\ntotal time {time.perf_counter() - t_start:.0f} s, load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
