@@ -62,10 +62,12 @@ def forward_step(data_iterator, model):
 if __name__ == "__main__":
     dry = dry_run_args()
     if dry is not None:  # one rank of a larger job, on fake tensors (megazero.dryrun)
-        sys.exit(dryrun.main(parse_args(world_size=dry["world_size"]), dry,
+        report = dryrun.main(parse_args(world_size=dry["world_size"]), dry,
                              datasets_provider=train_valid_test_datasets_provider,
                              model_provider=model_provider, forward_step_func=forward_step,
-                             zero3_unit_policy=zero3_unit_policy))
+                             zero3_unit_policy=zero3_unit_policy)
+        print(report.table(), flush=True)
+        sys.exit(0 if report.ok else 1)
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step, parse_args(),
              zero3_unit_policy=zero3_unit_policy)
     # Join the process groups' threads before the interpreter exits: left to the atexit

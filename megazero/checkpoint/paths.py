@@ -208,24 +208,29 @@ def _read_small_text(path: str, what: str, limit: int) -> str:
             from None
 
 
+def _read_small_json(path: str, what: str, limit: int):
+    """JSON content of a small metadata file; malformed content names the file."""
+    text = _read_small_text(path, what, limit)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{what} {path} is not valid JSON ({exc.msg} at line "
+                              f"{exc.lineno} column {exc.colno})") from None
+
+
 def read_checksum_file(path: str) -> dict | None:
     """The sidecar record of checkpoint file ``path`` (None when there is none)."""
     side = checksum_path(path)
     if not os.path.lexists(side):
         return None
-    text = _read_small_text(side, "checksum file", 1 << 16)
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"checksum file {side} is not valid JSON ({exc.msg} at line "
-                              f"{exc.lineno} column {exc.colno})") from None
+    record = _read_small_json(side, "checksum file", 1 << 16)
     ok = isinstance(record, dict) and record.get("algorithm") == "crc32" \
         and isinstance(record.get("size"), int) and isinstance(record.get("crc32"), str) \
         and re.fullmatch(r"[0-9a-f]{8}", record["crc32"]) is not None
     if not ok:
         raise CheckpointError(f"checksum file {side} is malformed: expected a JSON object with "
                               f"algorithm 'crc32', crc32 (8 hex digits) and size, got "
-                              f"{text[:200]!r}")
+                              f"{str(record)[:200]!r}")
     return record
 
 
@@ -322,12 +327,7 @@ def read_layout_file(root: str, iteration: int | str) -> dict | None:
     path = os.path.join(iteration_dir(root, iteration), LAYOUT_FILE)
     if not os.path.lexists(path):
         return None
-    text = _read_small_text(path, "layout file", 1 << 20)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"layout file {path} is not valid JSON ({exc.msg} at line "
-                              f"{exc.lineno} column {exc.colno})") from None
+    data = _read_small_json(path, "layout file", 1 << 20)
     problem = _layout_problem(data)
     if problem:
         raise CheckpointError(f"layout file {path} is malformed: expected {problem}")

@@ -123,6 +123,11 @@ def _aggregate_p2p(run) -> list[dict]:
 class Report(dict):
     """The report as a dict (JSON-ready) with a printable table."""
 
+    @property
+    def ok(self) -> bool:
+        """Every peer issued the same collectives and p2p messages."""
+        return all(r["ok"] for r in self["checks"]["peers"].values())
+
     def write_json(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp"
