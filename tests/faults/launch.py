@@ -28,7 +28,7 @@ class Job:
 
     def __init__(self, flags: str, world: int, env: dict | None = None):
         port = free_port()
-        self.procs, self.out = [], []
+        self.procs, self.out, self._drains = [], [], []
         for rank in range(world):
             e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -37,11 +37,17 @@ class Job:
                                     cwd=ROOT, env=e, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
             lines: list[str] = []
-            threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
+            drain = threading.Thread(target=_drain, args=(proc, lines), daemon=True)
+            drain.start()
             self.procs.append(proc)
+            self._drains.append(drain)
             self.out.append(lines)
 
     def output(self, rank: int) -> str:
+        """What rank printed so far; all of it once the process has exited (the reader
+        thread may lag the exit: a traceback's last lines were missing under load)."""
+        if self.procs[rank].poll() is not None:
+            self._drains[rank].join(timeout=30)
         return "".join(self.out[rank])
 
     def wait_for(self, rank: int, text: str, timeout: float = 120) -> None:
