@@ -51,6 +51,13 @@ Reported per contender:
   there is no separate main copy); torch: the bytes of the parameters, gradients and optimizer
   state tensors this rank holds (local shards for FSDP2's DTensors; DDP's gradients are views
   of its buckets, so the buckets are counted once), the max over ranks;
+* buffers: what megazero's ``memory_report`` counts besides the model states (the staging
+  slots of the gradient reduction, the ring's receive buffer, gathered ZeRO-3 units);
+* unaccounted MB: resident bytes (``/proc/self/statm``, after glibc's ``malloc_trim`` returned
+  freed pages) after the measured steps, minus those before the model was built, minus all
+  the memory report accounts for (model states and buffers): what the process keeps that
+  nobody accounts for (module buffers, autograd and module bookkeeping, fragments the
+  allocator cannot return); max over ranks, median over rounds;
 * loss: after the measured steps, on a fixed batch (the same on every rank, dp mean), which
   should agree across contenders to float rounding since initial weights and data agree.
 
@@ -62,6 +69,7 @@ Reported per contender:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import os
 import queue
@@ -169,8 +177,9 @@ def _build(kind, args, ps):
         config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
                                  adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
                                  clip_grad=0.0, zero_stage=stage)
-        opt = build_optimizer(chunks, config, ps, seed=SEED,
-                              unit_policy=gpt_zero3_units if zero3 else None)
+        # the unit policy tells ZeRO-3 what to gather together and stages 1-2 which modules
+        # wait for which parameters' all-gather (as pretrain_gpt2.py passes it)
+        opt = build_optimizer(chunks, config, ps, seed=SEED, unit_policy=gpt_zero3_units)
         return chunks[0], opt
     (model,) = build_gpt_model_chunks(cfg, ps, seed=SEED, device=ps.device)
     if kind == "ddp":
@@ -209,6 +218,7 @@ def _run_contender(kind, args, ps):
     rank, world = dist.get_rank(), dist.get_world_size()
     data = [_batch(args, i, rank, world) for i in range(args.warmup + args.steps)]
     eval_batch = _batch(args, 10_000, 0, 1)  # the same on every rank
+    before_model = _resident()
     module, opt = _build(kind, args, ps)
     times = []
     for i, batch in enumerate(data):
@@ -226,11 +236,22 @@ def _run_contender(kind, args, ps):
         if i >= args.warmup:
             times.append((t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3))
     memory = opt.memory_report()
+    held = sum(v for k, v in memory.items() if not k.endswith("_peak"))
+    unaccounted = _resident() - before_model - held
     with torch.no_grad():
         final = _loss(module, eval_batch).detach().reshape(1).double()
     dist.all_reduce(final)
     return {"times": times, "memory": memory, "loss": float(final) / world,
+            "unaccounted": unaccounted,
             "psi": sum(p.numel() for p in _model_params(args, ps))}
+
+
+def _resident() -> int:
+    """Resident bytes of this process now (``/proc/self/statm``), after returning the C
+    allocator's free pages to the system (glibc ``malloc_trim``): memory in use."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _model_params(args, ps):
@@ -298,7 +319,7 @@ def run(kind, args, world):
 def summarize(per_round):
     """Per contender: slowest-rank step and phase times (median over all measured steps,
     range of the per-round medians), peak RSS, model states and losses."""
-    slowest, round_medians, rss, losses = [], [], [], []
+    slowest, round_medians, rss, losses, unacc = [], [], [], [], []
     for ranks in per_round:
         steps = [tuple(max(col) for col in zip(*step))
                  for step in zip(*(r["times"] for r in ranks))]
@@ -306,6 +327,7 @@ def summarize(per_round):
         round_medians.append(statistics.median(s[0] for s in steps))
         rss.append(max(r["rss_kb"] for r in ranks) * 1024)
         losses.append(ranks[0]["loss"])
+        unacc.append(max(r["unaccounted"] for r in ranks))
     mems = [r["memory"] for r in per_round[-1]]
     keys = ("params", "grads", "main_params", "optimizer_states")
     mem = max(mems, key=lambda m: sum(m[k] for k in keys))
@@ -315,6 +337,9 @@ def summarize(per_round):
                        for j, p in enumerate(PHASES)},
             "rss": statistics.median(rss), "memory": mem,
             "states": sum(mem[k] for k in keys), "loss": losses,
+            "buffers": sum(v for k, v in mem.items() if k not in keys
+                           and not k.endswith("_peak")),
+            "unaccounted": statistics.median(unacc),
             "psi": per_round[-1][0]["psi"]}
 
 
@@ -329,11 +354,11 @@ def print_table(rows, skips, args, world):
     ref = rows.get(REFERENCE)
     print(f"| contender | step ms (median) | round medians | vs {REFERENCE} | fwd ms | "
           "bwd ms | sync ms | step ms | peak RSS MB/rank | model states MB/rank (p/g/main/opt) "
-          "| loss after |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+          "| buffers MB | unaccounted MB | loss after |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for kind in args.contenders:
         if kind in skips:
-            print(f"| {kind} | SKIP: {skips[kind]} | | | | | | | | | |")
+            print(f"| {kind} | SKIP: {skips[kind]} | | | | | | | | | | | |")
             continue
         r = rows[kind]
         m, ph = r["memory"], r["phases"]
@@ -345,7 +370,8 @@ def print_table(rows, skips, args, world):
         print(f"| {kind} | {r['step'] * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | {ratio} | "
               f"{ph['forward'] * 1e3:.1f} | {ph['backward'] * 1e3:.1f} | "
               f"{ph['sync'] * 1e3:.1f} | {ph['step'] * 1e3:.1f} | {r['rss'] / mb:.0f} | "
-              f"{r['states'] / mb:.1f} ({breakdown}) | {losses} |")
+              f"{r['states'] / mb:.1f} ({breakdown}) | {r['buffers'] / mb:.1f} | "
+              f"{r['unaccounted'] / mb:.1f} | {losses} |")
     all_losses = [x for r in rows.values() for x in r["loss"]]
     if all_losses:
         lo, hi = min(all_losses), max(all_losses)

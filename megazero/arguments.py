@@ -120,8 +120,20 @@ def _add_optimizer_args(parser):
 
     g = _Flags(parser, "ZeRO", OptimizerConfig)
     g.add("--zero-stage", type=int, choices=[0, 1, 2, 3])
-    g.add("--zero-reduce-bucket-size", type=int)
-    g.add("--zero-overlap-comm", action="store_true")
+    g.add("--zero-reduce-bucket-size", "--ddp-bucket-size", field="zero_reduce_bucket_size",
+          type=int, help="elements per gradient bucket (default: from the model size, "
+          "several buckets in flight)")
+    g.add("--overlap-grad-reduce", "--zero-overlap-comm", field="overlap_grad_reduce",
+          action="store_true", help="reduce-scatter each gradient bucket during the rest of "
+          "the backward (the default)")
+    g.add("--no-overlap-grad-reduce", field="overlap_grad_reduce", action="store_false",
+          help="reduce the gradient buckets after the backward instead")
+    g.add("--overlap-param-gather", field="overlap_param_gather", action="store_true",
+          help="ZeRO 1-2: all-gather updated parameters during the next forward, each layer "
+          "waiting for its own bucket (the default; ZeRO-3 prefetches units in forward and "
+          "backward, see --no-zero-prefetch)")
+    g.add("--no-overlap-param-gather", field="overlap_param_gather", action="store_false",
+          help="all-gather updated parameters inside the optimizer step instead")
     g.add("--zero-param-persistence-threshold", type=int)
     g.add("--no-zero-prefetch", field="zero_prefetch", action="store_false")
     g.add("--no-zero3-order-check", field="zero3_order_check", action="store_false",

@@ -213,8 +213,10 @@ class OptimizerConfig:
     hysteresis: int = 2
     # ZeRO data parallelism
     zero_stage: int = 0
-    zero_reduce_bucket_size: int = 25_000_000  # elements
-    zero_overlap_comm: bool = False
+    # elements per reduce bucket; None: chosen from the model size (layout.default_bucket_size)
+    zero_reduce_bucket_size: int | None = None
+    overlap_grad_reduce: bool = True  # bucket reduce-scatters run during the backward
+    overlap_param_gather: bool = True  # updated parameters gathered during the next forward
     zero_param_persistence_threshold: int = 0  # elements; params at or below stay whole
     zero_prefetch: bool = True
     zero3_order_check: bool = True  # all-gather (kind, bucket, seq) before each collective
@@ -248,7 +250,7 @@ class OptimizerConfig:
         _in_unit(self.sgd_momentum, "--sgd-momentum")
         _check(self.zero_stage in (0, 1, 2, 3),
                f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        _int_at_least(self.zero_reduce_bucket_size, "--zero-reduce-bucket-size", 1)
+        _optional_int_at_least(self.zero_reduce_bucket_size, "--zero-reduce-bucket-size", 1)
         _int_at_least(self.zero_param_persistence_threshold,
                       "--zero-param-persistence-threshold", 0)
         _finite(self.clip_grad, "--clip-grad", positive=False)
@@ -460,4 +462,5 @@ class MegazeroConfig:
 # Fields older checkpoints hold that nothing reads any more (their flags are accepted for
 # Megatron compatibility only, see arguments._add_compat_args).
 _RETIRED = {"model": {"masked_softmax_fusion"}, "parallel": set(),
-            "optimizer": {"zero_allgather_bucket_size"}, "data": set(), "train": set()}
+            "optimizer": {"zero_allgather_bucket_size", "zero_overlap_comm"}, "data": set(),
+            "train": set()}

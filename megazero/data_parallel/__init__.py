@@ -13,12 +13,15 @@ from megazero.data_parallel.zero3 import GatheredParameters, Zero3Optimizer, Zer
 def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int = 0,
                     unit_policy=None):
     """The optimizer of ``--zero-stage``. ZeRO-3 only: ``seed`` initialises parameters built
-    on the meta device (by name), ``unit_policy(chunk)`` says which modules are gathered
-    together (default: each module with direct parameters; see ``zero3_units``)."""
+    on the meta device (by name). ``unit_policy(chunk)`` says which modules use which
+    parameters: ZeRO-3 gathers them together (default: each module with direct parameters;
+    see ``zero3_units``), stages 1-2 wait for their all-gathers before those modules run
+    (default: before the chunk's forward; see ``param_sync``)."""
     if opt_config.zero_stage == 3:
         return Zero3Optimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                               seed=seed, unit_policy=unit_policy)
-    return ZeroOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler)
+    return ZeroOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
+                         unit_policy=unit_policy)
 
 
 __all__ = ["GatheredParameters", "Zero3Optimizer", "ZeroOptimizer", "ZeroOrderError",

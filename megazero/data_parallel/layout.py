@@ -4,8 +4,9 @@ Parameters are placed back to back in one flat buffer per dtype, grouped into bu
 of one reduce-scatter / all-gather). Each bucket is padded to a multiple of ``dp * align`` and
 split into ``dp`` equal chunks: data-parallel rank r owns chunk r of every bucket (as in
 Megatron's distributed optimizer). A parameter may straddle chunks and buckets may hold many
-parameters. ZeRO-1/2 use few large buckets (``--zero-reduce-bucket-size``); ZeRO-3 uses one
-bucket per module so a layer can be gathered on its own; ZeRO-0 owns everything.
+parameters. ZeRO-1/2 use buckets of ``--zero-reduce-bucket-size`` elements, by default
+``default_bucket_size``: several per model, so that reductions overlap the backward; ZeRO-3
+uses one bucket per module so a layer can be gathered on its own; ZeRO-0 owns everything.
 
 ``Segment`` is a piece of one parameter inside this rank's owned chunk: the unit the optimizer
 updates, and what checkpoints record (parameter name, flat range within the parameter).
@@ -19,6 +20,19 @@ from dataclasses import dataclass, field
 import torch
 
 from megazero.tensor_parallel.meta import meta_of
+
+BUCKETS_PER_MODEL = 8  # default: the model in about this many buckets, ...
+MIN_BUCKET = 1_000_000  # ... of at least this many elements (smaller ones cost latency) ...
+MAX_BUCKET = 40_000_000  # ... and at most Megatron's default (or 1M per dp rank, if more)
+
+
+def default_bucket_size(numel: int, dp_size: int) -> int:
+    """Elements per gradient bucket for a model of ``numel`` elements (this rank's stage):
+    ``numel / BUCKETS_PER_MODEL`` within [``MIN_BUCKET``, max(``MAX_BUCKET``, 1M x dp)], so
+    a bucket's reduce-scatter overlaps the backward of the buckets after it and no
+    collective is latency-bound."""
+    cap = max(MAX_BUCKET, 1_000_000 * dp_size)
+    return max(MIN_BUCKET, min(cap, -(-numel // BUCKETS_PER_MODEL)))
 
 
 def param_numel(p) -> int:
@@ -126,11 +140,12 @@ class FlatLayout:
                     current, size = [], 0
                 buckets.append([name])
                 continue
-            current.append(name)
-            size += param_numel(p)
-            if bucket_size is not None and size >= bucket_size:
-                buckets.append(current)
+            n = param_numel(p)
+            if bucket_size is not None and current and size + n > bucket_size:
+                buckets.append(current)  # at most bucket_size, unless one parameter is more
                 current, size = [], 0
+            current.append(name)
+            size += n
         if current:
             buckets.append(current)
         return buckets

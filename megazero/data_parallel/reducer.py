@@ -4,8 +4,11 @@ A bucket of the ``FlatLayout`` is reduced once all its parameters' gradients are
 all-reduced when the layout is not sharded (ZeRO-0, or dp = 1), reduce-scattered into this
 rank's owned chunk when it is (ZeRO 1-3). Where the gradients live and what happens to the
 result is the gradient storage's business (``grads``); this module only counts readiness and
-runs the collectives, synchronously or, with ``overlap``, asynchronously (waited for at the
-end of the accumulation).
+runs the collectives, synchronously or, with ``overlap`` (``--overlap-grad-reduce``, the
+default), asynchronously while the rest of the backward runs. At most ``max_in_flight``
+asynchronous reductions are outstanding: posting one more first completes the oldest, so the
+staging buffers in use stay bounded; the rest are completed at the end of the accumulation.
+Both paths run the same collective on the same buffers, so their results are bit-identical.
 
 When gradients become ready in backward (post-accumulate-grad hooks, registered when the
 storage reduces every micro-batch or when ``overlap`` is on), a bucket is reduced as soon as
@@ -44,11 +47,12 @@ class BucketReducer:
     """
 
     def __init__(self, layout: FlatLayout, grads, dp_group, *, overlap: bool,
+                 max_in_flight: int = 1,
                  before_reduce: Callable[[Bucket], None] | None = None,
                  after_reduce: Callable[[Bucket], None] | None = None,
                  end_of_backward: Callable[[], None] | None = None):
         self.layout, self.grads, self.dp_group = layout, grads, dp_group
-        self.overlap = overlap
+        self.overlap, self.max_in_flight = overlap, max(1, max_in_flight)
         self.before_reduce, self.after_reduce = before_reduce, after_reduce
         self.end_of_backward = end_of_backward
         self.in_no_sync = False
@@ -98,10 +102,11 @@ class BucketReducer:
         if self.before_reduce is not None:
             self.before_reduce(bucket)
         self.done[bucket.index] = True
+        if async_op and len(self._pending) >= self.max_in_flight:
+            self._complete(self._pending.pop(0))
         src = self.grads.reduce_input(bucket)
         if self.layout.shard:
-            c0, c1 = self.layout.owned_chunk(bucket)
-            out = torch.empty(c1 - c0, dtype=src.dtype, device=src.device)
+            out = self.grads.reduce_output(bucket)
             work = comm.reduce_scatter_into(out, src, self.dp_group, async_op=async_op,
                                             overwrite_input=True)
         else:
@@ -111,6 +116,7 @@ class BucketReducer:
             self._pending.append(_Pending(work, bucket, out))
         else:
             self.grads.reduced(bucket, out)
+            self.grads.release(bucket)
         if self.after_reduce is not None:
             self.after_reduce(bucket)
 
@@ -120,8 +126,12 @@ class BucketReducer:
             if not self.done[bucket.index]:
                 self.reduce(bucket, async_op=False)
 
+    def _complete(self, p: _Pending) -> None:
+        p.work.wait()
+        self.grads.reduced(p.bucket, p.out)
+        self.grads.release(p.bucket)
+
     def wait(self) -> None:
-        for p in self._pending:
-            p.work.wait()
-            self.grads.reduced(p.bucket, p.out)
-        self._pending = []
+        pending, self._pending = self._pending, []
+        for p in pending:
+            self._complete(p)

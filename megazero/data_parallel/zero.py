@@ -18,7 +18,10 @@ by composition of four parts:
 
 The step computes the global gradient norm (every element once), agrees on overflow, folds
 loss scale, dp averaging and clipping into one factor, applies the rule and all-gathers the
-updated parameters. ``--cpu-offload`` keeps main values and states in host memory.
+updated parameters (``param_sync``: by default during the next forward). ``--cpu-offload``
+keeps main values and states in host memory. Separate fp32 main copies and optimizer states
+are allocated at the first step (or load), like torch's optimizers: the setup's peak does not
+carry them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 
 from megazero.data_parallel.finalize import finalize_model_grads, grad_norm_sq
 from megazero.data_parallel.grads import grad_storage
-from megazero.data_parallel.layout import FlatLayout
+from megazero.data_parallel.layout import FlatLayout, default_bucket_size
+from megazero.data_parallel.param_sync import ParamGather
 from megazero.data_parallel.params import (
     collect_named_params,
     find_fragment,
@@ -83,12 +87,15 @@ class FlatParams:
 
 
 def bucketed_layout(named, ps: ParallelState, opt_config, shard: bool) -> FlatLayout:
-    """Stages 0-2: greedy buckets of ``--zero-reduce-bucket-size`` elements in backward order
-    (the last layers' gradients are ready first); the tied embedding alone in its bucket."""
+    """Stages 0-2: greedy buckets of ``--zero-reduce-bucket-size`` elements (default: from
+    the model size) in backward order (the last layers' gradients are ready first); the tied
+    embedding alone in its bucket."""
     ordered = list(reversed(named))
     tied = {n for n, p in named if tied_across_stages(p, ps)}
-    return FlatLayout(ordered, ps.dp_size, ps.dp_rank,
-                      bucket_size=opt_config.zero_reduce_bucket_size, own_bucket=tied,
+    size = opt_config.zero_reduce_bucket_size
+    if size is None:
+        size = default_bucket_size(sum(meta_of(p).numel for _, p in named), ps.dp_size)
+    return FlatLayout(ordered, ps.dp_size, ps.dp_rank, bucket_size=size, own_bucket=tied,
                       shard=shard)
 
 
@@ -101,7 +108,8 @@ class ZeroOptimizer:
 
     def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
                  named_params=None, layout: FlatLayout | None = None, params=None,
-                 device: torch.device | None = None, reducer_hooks: dict | None = None):
+                 device: torch.device | None = None, reducer_hooks: dict | None = None,
+                 unit_policy=None):
         self.config, self.ps = opt_config, ps
         self.stage = opt_config.zero_stage
         if layout is None and self.stage == 3:
@@ -109,7 +117,7 @@ class ZeroOptimizer:
                              "(data_parallel.build_optimizer picks it)")
         self.dp_group, self.dp_size, self.dp_rank = ps.dp_group, ps.dp_size, ps.dp_rank
         self.shard = self.stage > 0 and self.dp_size > 1
-        self.overlap = opt_config.zero_overlap_comm
+        self.overlap = opt_config.overlap_grad_reduce
         self.lr_scheduler = lr_scheduler
         self.scaler = build_grad_scaler(opt_config)
         self.rule = build_rule(opt_config, ps)
@@ -124,21 +132,38 @@ class ZeroOptimizer:
         self.params = params or FlatParams(self.layout, self.dtype, self.device)
         self.grads = grad_storage(self.stage, self.layout, self.dtype, self.device)
         self.part_offsets = self.layout.bucket_owned_offsets()
-        self._build_main_and_states()
-        keys = {name: i for i, name in enumerate(self.layout.ranges)}
-        self.param_table = ParamTable(len(keys), torch.tensor(
-            [meta_of(self.layout.ranges[n].param).tensor_parallel for n in keys],
+        self.offload = self.config.cpu_offload
+        self.main_chunks, self.state, self.grad_host = [], {}, None
+        self._views: list[SegmentView] | None = None  # built with the states (first step)
+        self._keys = {name: i for i, name in enumerate(self.layout.ranges)}
+        self.param_table = ParamTable(len(self._keys), torch.tensor(
+            [meta_of(self.layout.ranges[n].param).tensor_parallel for n in self._keys],
             dtype=torch.bool))
-        self._views = self._segment_views(keys)
         self.reducer = BucketReducer(self.layout, self.grads, self.dp_group,
                                      overlap=self.overlap, **(reducer_hooks or {}))
+        self.param_gather = ParamGather(
+            self.layout, self.params, self.dp_group,
+            model_chunks if layout is None else None, unit_policy,
+            overlap=opt_config.overlap_param_gather)
         self.zero_grad()
 
     # ---- fp32 main values and optimizer states of the owned partition --------------------
+    @property
+    def views(self) -> list[SegmentView]:
+        """The segments the update rule works on; allocates main values and states."""
+        if self._views is None:
+            self._build_main_and_states()
+            self._views = self._segment_views(self._keys)
+        return self._views
+
+    def build_states(self) -> None:
+        """Allocate the fp32 main values and optimizer states now instead of at the first
+        step (the dry run measures the steady state from its first iteration on)."""
+        self.views  # noqa: B018 - the property allocates
+
     def _build_main_and_states(self) -> None:
         """fp32 main copy: for fp32 models the owned chunks of the parameter storage
         themselves; with --cpu-offload a separate copy in (pinned, with CUDA) host memory."""
-        self.offload = self.config.cpu_offload
         host = torch.device("cpu") if self.offload else self.device
         pin = self.offload and self.device.type == "cuda"
         self.main_chunks = []
@@ -173,6 +198,7 @@ class ZeroOptimizer:
     # ---- gradients -----------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.reducer.wait()
+        self.param_gather.wait_all()
         self.grads.zero()
         self.reducer.reset()
 
@@ -220,9 +246,10 @@ class ZeroOptimizer:
             coeff = c if c < 1.0 else 1.0
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler is not None else self.config.lr
         self.step_count += 1
+        views = self.views
         if self.offload:
             self._grads_to_host()
-        self.rule.apply(self._views, step=self.step_count, lr=lr, grad_scale=coeff / divisor,
+        self.rule.apply(views, step=self.step_count, lr=lr, grad_scale=coeff / divisor,
                         params=self.param_table)
         if self.offload:
             self._params_from_host()
@@ -243,15 +270,11 @@ class ZeroOptimizer:
         synchronize(self.device)
 
     def _all_gather_params(self):
-        works = []
-        for bucket in self.params.replicated_buckets():
-            full = self.params.full_bucket(bucket)
-            src = self.params.owned_chunk(bucket)  # updated in place by the rule
-            works.append(comm.all_gather_into(full, src, self.dp_group,
-                                              async_op=self.overlap))
-        for w in works:
-            if w is not None and self.overlap:
-                w.wait()
+        self.param_gather.start()
+
+    def finish_param_sync(self) -> None:
+        """Complete the all-gathers of updated parameters still in flight."""
+        self.param_gather.wait_all()
 
     # ---- reports and checkpoints ----------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -273,7 +296,11 @@ class ZeroOptimizer:
         states = sum(nbytes(t) for t in self.state.values())
         report = {"params": self.params.nbytes, "grads": self.grads.nbytes,
                   "main_params": 0 if self.offload else main,
-                  "optimizer_states": 0 if self.offload else states}
+                  "optimizer_states": 0 if self.offload else states,
+                  # buffers of the reduction: staging slots and the ring's receive buffer
+                  "staging": self.grads.staging_nbytes,
+                  "comm_buffers": comm.communicator_of(self.dp_group).buffer_bytes(
+                      self.dp_group) if self.dp_size > 1 else 0}
         if self.offload:  # host memory, off the accelerator
             report.update(host_main_params=main, host_optimizer_states=states,
                           host_grads=nbytes(self.grad_host))
@@ -284,7 +311,7 @@ class ZeroOptimizer:
         param_end)`` of each parameter's flat elements: fp32 main values and states), so a
         checkpoint can be read back at another dp size or stage as well as its own."""
         fragments = {}
-        for seg, view in zip(self.layout.segments, self._views):
+        for seg, view in zip(self.layout.segments, self.views):
             entry = {"param_start": seg.param_start, "param_end": seg.param_end,
                      "main": view.main.clone()}
             for k in self.rule.state_names:
@@ -300,7 +327,8 @@ class ZeroOptimizer:
         self.step_count = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])
         frags = state.get("fragments", {})
-        for seg, view in zip(self.layout.segments, self._views):
+        self.param_gather.wait_all()
+        for seg, view in zip(self.layout.segments, self.views):
             if fragment_reader is not None:
                 values = fragment_reader(seg.name, seg.param_start, seg.param_end)
             else:
@@ -317,6 +345,8 @@ class ZeroOptimizer:
 
     def reload_model_params(self) -> None:
         """Refresh fp32 main values from the (just loaded) model parameters."""
+        if self._views is None:  # not built yet: they are copied from the parameters then
+            return
         if self.offload:
             for bucket, main in zip(self.layout.buckets, self.main_chunks):
                 main.copy_(self.params.owned_chunk(bucket))

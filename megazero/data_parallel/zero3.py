@@ -252,6 +252,7 @@ class Zero3Optimizer(ZeroOptimizer):
     # ---- reports and checkpoints ---------------------------------------------------------
     def memory_report(self) -> dict:
         report = super().memory_report()
+        report["gathered"] = self.gatherer.held_bytes()  # full units alive now
         report["gathered_peak"] = self.gatherer.peak_live_bytes
         return report
 

@@ -294,6 +294,11 @@ class Communicator:
             self._rings[group] = entry
         return entry[0] if entry[1][kind] else None
 
+    def buffer_bytes(self, group) -> int:
+        """Bytes of the buffers kept for ``group``'s collectives (its ring's receive buffer)."""
+        entry = self._rings.get(group)
+        return entry[0].nbytes if entry is not None else 0
+
     def ring_decisions(self) -> dict:
         """What the measurement (or the policy) chose per group (reports, benchmarks)."""
         return {str(dist.get_process_group_ranks(g)): d for g, (_, d) in self._rings.items()}
@@ -345,7 +350,8 @@ class Communicator:
                             async_op=False, overwrite_input=False):
         """output = this rank's chunk (dim 0) of the sum over ranks of input_.
 
-        ``overwrite_input`` lets the ring implementation use ``input_`` as scratch space.
+        ``overwrite_input`` lets the ring implementation use ``input_`` as scratch space;
+        ``output`` may then be ``input_``'s own chunk of this rank (no extra buffer).
         """
         active, ring = self._begin("reduce_scatter", output, input_, group, _nbytes(output),
                                    _nbytes(input_), ring_ok=op == dist.ReduceOp.SUM)
@@ -355,6 +361,14 @@ class Communicator:
             return self._run("reduce_scatter", group, lambda: ring.reduce_scatter(
                 output.view(-1), input_.reshape(-1), overwrite_input=overwrite_input,
                 async_op=async_op))
+        if _same_storage(output, input_):  # in place (chunk r of input_): the ring's way
+            tmp = torch.empty_like(output)
+            work = self._run("reduce_scatter", group, lambda: _reduce_scatter_single(
+                tmp.view(-1), input_.reshape(-1), op=op, group=group, async_op=async_op))
+            if work is None:
+                output.copy_(tmp)
+                return None
+            return _CopyOnWait(work, tmp, output)
         return self._run("reduce_scatter", group, lambda: _reduce_scatter_single(
             output.view(-1), input_.reshape(-1), op=op, group=group, async_op=async_op))
 
@@ -438,6 +452,25 @@ class Communicator:
         _require_online(group, "irecv")
         self.p2p_posted("recv", tensor, src, group)
         return self._run("recv", group, lambda: dist.irecv(tensor, src, group=group), src)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
+        and a.device == b.device and a.untyped_storage().nbytes() > 0
+
+
+class _CopyOnWait:
+    """An async reduce-scatter into a temporary whose ``wait()`` copies it into place."""
+
+    def __init__(self, work, tmp: torch.Tensor, output: torch.Tensor):
+        self.work, self._tmp, self._output = work, tmp, output
+
+    def wait(self, *args, **kwargs):
+        result = self.work.wait(*args, **kwargs)
+        if self._tmp is not None:
+            self._output.copy_(self._tmp)
+            self._tmp = None
+        return result
 
 
 class _NamedWork:

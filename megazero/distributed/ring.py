@@ -59,6 +59,12 @@ class Ring:
             s = self._scratch = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
         return s[:like.numel()].view_as(like)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the receive buffer this ring keeps (sized to the largest chunk seen)."""
+        s = self._scratch
+        return 0 if s is None else s.numel() * s.element_size()
+
     def _tag(self) -> int:
         self._ops += 1
         return _TAG_BASE + (self._ops * 2 * self.n) % _TAG_SPAN

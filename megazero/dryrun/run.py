@@ -124,6 +124,7 @@ def measured_pretrain(cfg: MegazeroConfig, ps: ParallelState, providers,
 
     def on_ready(trainer):
         seen["optimizer"] = trainer.optimizer
+        trainer.optimizer.build_states()  # allocated at the first step otherwise
         tracker.tag(trainer.optimizer.state_tensors())
         tracker.training = True
         tracker.reset_peak()

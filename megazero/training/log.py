@@ -7,8 +7,10 @@ Nothing here communicates.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import os
 import sys
 
 from megazero.config import MegazeroConfig
@@ -108,9 +110,37 @@ class TensorBoard:
             self.writer.flush()
 
 
-def log_memory(optimizer, ps: ParallelState) -> None:
-    """Per-rank bytes of model states (ZeRO's accounting), once, from every rank."""
+def resident_bytes(trim: bool = False) -> int | None:
+    """This process's resident set size now (Linux ``/proc/self/statm``; None elsewhere).
+    ``trim``: first return the C allocator's free pages to the system (glibc ``malloc_trim``),
+    so that what is counted is memory in use, not freed memory the allocator kept."""
+    if trim:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def log_memory(optimizer, ps: ParallelState, resident_before_model: int | None = None) -> None:
+    """Per-rank bytes of model states and of every buffer the optimizer keeps (ZeRO's
+    accounting), once, from every rank. On CPU also the resident memory the process gained
+    since before the model was built, and how much of it the accounting does not explain
+    (activations already freed, data, the allocator's retained pages)."""
     report = optimizer.memory_report()
-    mb = {k: round(v / 2**20, 2) for k, v in report.items()}
-    logging.getLogger("megazero.memory").warning(
-        "[rank %d] memory (MB) of model states after the first iteration: %s", ps.rank, mb)
+    mb = {k: round(v / 2**20, 2) for k, v in report.items() if not k.endswith("_peak")}
+    line = f"[rank {ps.rank}] memory (MB) of model states and buffers after the first " \
+           f"iteration: {mb}"
+    now = resident_bytes(trim=True)
+    if ps.device.type == "cpu" and now is not None and resident_before_model is not None:
+        gained = now - resident_before_model
+        held = sum(v for k, v in report.items()
+                   if not k.endswith("_peak") and not k.startswith("host_"))
+        line += (f"; resident {now / 2**20:.1f} MB (allocator trimmed), {gained / 2**20:.1f} "
+                 f"MB more than before the model was built, {(gained - held) / 2**20:.1f} MB "
+                 "of it unaccounted")
+    logging.getLogger("megazero.memory").warning(line)

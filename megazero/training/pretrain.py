@@ -42,6 +42,7 @@ from megazero.training.log import (
     log_memory,
     log_validation,
     logger,
+    resident_bytes,
     setup_logging,
     training_log_line,
 )
@@ -115,7 +116,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
              config: MegazeroConfig, *, ps: ParallelState | None = None,
              zero3_unit_policy=None, on_ready=None) -> PretrainResult:
     """Run Megatron-style pretraining (see the module docstring). ``zero3_unit_policy``:
-    which modules ZeRO-3 gathers together (``data_parallel.zero3_units``); ``on_ready``:
+    which modules use which parameters (``data_parallel.zero3_units``): ZeRO-3 gathers them
+    together, stages 1-2 overlap the parameter all-gather with the forward by it; ``on_ready``:
     called with the ``Trainer`` once everything is built and loaded, before the first
     iteration (the dry run starts measuring there)."""
     start = time.time()
@@ -138,6 +140,7 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
         if saved is not None:  # the vocabulary comes from the tokenizer, not the checkpoint
             config = config.replace_model(**{k: v for k, v in saved.items()
                                               if k != "vocab_size"})
+    resident_before_model = resident_bytes(trim=True)
     model = model_provider(config, ps, tracker)
     iters = num_train_iters(config)
     gbs = config.train.global_batch_size
@@ -145,6 +148,7 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
     optimizer = build_optimizer(model, config.optimizer, ps, lr_scheduler=lr_scheduler,
                                 seed=config.train.seed, unit_policy=zero3_unit_policy)
     trainer = Trainer(config, ps, tracker, model, optimizer, lr_scheduler, forward_step_func)
+    trainer.resident_before_model = resident_before_model
     if config.train.load:
         loaded = load_checkpoint(config.train.load, model_chunks=model, optimizer=optimizer,
                                  lr_scheduler=lr_scheduler, config=config, ps=ps,
@@ -163,6 +167,7 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
     state, tcfg = trainer.state, config.train
     if not tcfg.skip_train and state.iteration < iters:
         trainer.train(train_iter, valid_iter, iters, start)
+        optimizer.finish_param_sync()  # the caller reads the parameters (PretrainResult)
     if tcfg.eval_iters > 0 and valid_iter is not None:
         trainer.history["validation"].append(
             trainer.evaluate_and_print(valid_iter, "the end of training for val data"))
@@ -217,6 +222,7 @@ class Trainer:
         self.state = TrainState()
         self.history: dict = {"lm loss": [], "iterations": [], "validation": []}
         self.tensorboard = None
+        self.resident_before_model: int | None = None  # --log-memory's baseline
 
     # ---- the loop ------------------------------------------------------------------------
     def train(self, train_iter, valid_iter, iters: int, start: float) -> None:
@@ -248,7 +254,7 @@ class Trainer:
             state.iteration += 1
             state.consumed_train_samples += gbs
             if tcfg.log_memory and not state.memory_logged:
-                log_memory(self.optimizer, ps)
+                log_memory(self.optimizer, ps, self.resident_before_model)
                 state.memory_logged = True
             self.lr_scheduler.step(gbs)
             state.accumulate(losses, ok, grad_norm)
