@@ -134,10 +134,11 @@ def _median_time(fn, group, reps=5):
     return statistics.median(times)
 
 
-def choose(group, native_rs, native_ag, numel: int = 1 << 22, policy: str = "auto") -> dict:
+def choose(group, native_rs, native_ag, numel: int = 1 << 20, policy: str = "auto") -> dict:
     """``{"reduce_scatter": bool, "all_gather": bool}``, True meaning use the ring on
     ``group``. ``policy`` "ring" or "native" decides without measuring; "auto" measures
-    native vs ring reduce-scatter and all-gather (a 16 MiB fp32 buffer; median of 5 of the
+    native vs ring reduce-scatter and all-gather (a 4 MiB fp32 buffer, the smallest the ring
+    carries: gloo keeps scratch of the size it ran, ~2x the buffer; median of 5 of the
     slowest rank's times, after a warm-up), decides on rank 0 and broadcasts."""
     if policy in ("ring", "native"):
         use = policy == "ring"
