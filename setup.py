@@ -268,6 +268,8 @@ setup(
         "test": ["pytest>=7", "pytest-timeout", "ruff", "matplotlib", "safetensors"],
         "plot": ["matplotlib"],
         "hf": ["safetensors"],
+        # benchmarks/bench_megatron.py's peer (pins the last release reachable here)
+        "bench": ["megatron-core==0.16.1"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext_cls},
