@@ -14,6 +14,7 @@ Inputs are ``[b, s]`` like Megatron's; inside, activations are ``[s, b, h]``.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -48,9 +49,13 @@ class Embedding(nn.Module):
             params_dtype=dtype, device=device)
         self.position_embeddings = None
         if with_positions:
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                    config.hidden_size, dtype=dtype,
-                                                    device=device)
+            shape = (config.max_position_embeddings, config.hidden_size)
+            # On meta, skip torch's default init: it draws nothing there but goes through
+            # torch._refs, which imports torch._dynamo (~100 MB resident per rank, ZeRO-3)
+            weight = torch.empty(shape, dtype=dtype, device=device) \
+                if device is not None and torch.device(device).type == "meta" else None
+            self.position_embeddings = nn.Embedding(*shape, dtype=dtype, device=device,
+                                                    _weight=weight)
             # each tp rank sees its part of the sequence: a partial gradient with sp
             set_meta(self.position_embeddings.weight, ParamMeta.replicated(
                 self.position_embeddings.weight.shape, init=init_normal(config.init_method_std),
