@@ -20,8 +20,10 @@ contenders:
   reference of the ratio column);
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every transformer layer and on the root
   (a ``cpu`` device mesh), ``torch.optim.AdamW`` over the sharded parameters;
-* ``ds-zero1``, ``ds-zero2``: DeepSpeed ZeRO-1/2, reported as SKIP: when ``import deepspeed``
-  fails (it is not a dependency), and otherwise too, since no DeepSpeed driver is written yet.
+* ``ds-zero1``, ``ds-zero2``: DeepSpeed ZeRO-1/2 (``peers_deepspeed.build_deepspeed``: a
+  ``DeepSpeedEngine`` over that very ``GPTModel``, fp32, torch's AdamW as client optimizer,
+  DeepSpeed's CPU accelerator on gloo), reported as SKIP when ``import deepspeed`` fails (it is
+  not a dependency).
 
 Initial weights: megazero's initialiser draws every element from (seed, parameter name, element
 index), so building the model with one seed gives identical weights to every contender; the
@@ -34,11 +36,12 @@ tokens per step) are made before timing; the loss is the mean per-token cross en
 A step is ``opt.zero_grad(); loss = model(tokens, positions, labels=labels).mean();
 loss.backward(); opt.finish_grad_sync(); opt.step()`` (torch contenders have no
 ``finish_grad_sync``: DDP and FSDP2 reduce the gradients inside backward, so their sync phase
-is zero and the reduction shows in backward), entered by every rank after a barrier (not
-counted). A single micro-batch per step, so no ``no_sync`` is involved. Each rank times the
-step and its phases (forward, backward, sync, step); a step's time and each phase's are those
-of the slowest rank. Per contender-round ``--warmup`` steps, then ``--steps`` measured ones.
-Reported per contender:
+is zero and the reduction shows in backward; a contender with its own ``opt.backward(loss)``
+has it called instead of ``loss.backward()``: DeepSpeed's ``engine.backward``, which reduces
+inside it too), entered by every rank after a barrier (not counted). A single micro-batch per
+step, so no ``no_sync`` is involved. Each rank times the step and its phases (forward,
+backward, sync, step); a step's time and each phase's are those of the slowest rank. Per
+contender-round ``--warmup`` steps, then ``--steps`` measured ones. Reported per contender:
 
 * step ms: median over all measured steps of all rounds; round medians: the range of the
   per-round medians; ratio: its step time over ``ddp+zero-ro``'s (below 1 = faster);
@@ -161,11 +164,13 @@ def _build(kind, args, ps):
 
     cfg = _model_config(args)
     if kind in DEEPSPEED:
+        from peers_deepspeed import build_deepspeed
+
+        (model,) = build_gpt_model_chunks(cfg, ps, seed=SEED, device=ps.device)
         try:
-            import deepspeed  # noqa: F401
-        except ImportError as e:
-            raise Skip(f"deepspeed not installed ({e})") from None
-        raise Skip("deepspeed is installed but this benchmark has no DeepSpeed driver yet")
+            return build_deepspeed(int(kind[-1]), model, args)
+        except ImportError as e:  # peers_deepspeed.DeepSpeedUnavailable: no usable deepspeed
+            raise Skip(str(e)) from None
     if kind in MEGAZERO:
         from megazero.config import OptimizerConfig
         from megazero.data_parallel import build_optimizer
@@ -220,6 +225,7 @@ def _run_contender(kind, args, ps):
     eval_batch = _batch(args, 10_000, 0, 1)  # the same on every rank
     before_model = _resident()
     module, opt = _build(kind, args, ps)
+    backward = getattr(opt, "backward", torch.Tensor.backward)  # DeepSpeed: engine.backward
     times = []
     for i, batch in enumerate(data):
         dist.barrier()
@@ -227,7 +233,7 @@ def _run_contender(kind, args, ps):
         opt.zero_grad()
         loss = _loss(module, batch)
         t1 = time.perf_counter()
-        loss.backward()
+        backward(loss)
         t2 = time.perf_counter()
         opt.finish_grad_sync()
         t3 = time.perf_counter()
