@@ -56,11 +56,17 @@ contender-round ``--warmup`` steps, then ``--steps`` measured ones. Reported per
   of its buckets, so the buckets are counted once), the max over ranks;
 * buffers: what megazero's ``memory_report`` counts besides the model states (the staging
   slots of the gradient reduction, the ring's receive buffer, gathered ZeRO-3 units);
-* unaccounted MB: resident bytes (``/proc/self/statm``, after glibc's ``malloc_trim`` returned
-  freed pages) after the measured steps, minus those before the model was built, minus all
+* unaccounted MB: anonymous resident bytes (``RssAnon`` of ``/proc/self/status``, after
+  glibc's ``malloc_trim`` returned freed pages; the clean file-backed pages of torch's library
+  code that the first backward or Adam step pages in are not memory anybody holds) after the
+  measured steps, minus those before the model was built, minus all
   the memory report accounts for (model states and buffers): what the process keeps that
   nobody accounts for (module buffers, autograd and module bookkeeping, fragments the
-  allocator cannot return); max over ranks, median over rounds;
+  allocator cannot return); max over ranks, median over rounds. By default every contender's
+  workers run with ``MKL_DISABLE_FAST_MM=1`` and ``MALLOC_ARENA_MAX=1`` (``ALLOCATOR_CACHES_OFF``):
+  MKL's buffer cache (~9 MiB after the first GEMMs) and the freed fragments of glibc's
+  per-thread arenas (gloo's threads, the ring's thread) are memory of nobody's objects, and
+  would otherwise count here; ``--allocator-caches`` leaves both on;
 * loss: after the measured steps, on a fixed batch (the same on every rank, dp mean), which
   should agree across contenders to float rounding since initial weights and data agree.
 
@@ -72,7 +78,6 @@ contender-round ``--warmup`` steps, then ``--steps`` measured ones. Reported per
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import os
 import queue
@@ -95,6 +100,14 @@ CONTENDERS = MEGAZERO + TORCH + DEEPSPEED
 REFERENCE = "ddp+zero-ro"
 SEED = 1234
 BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+# Two allocator caches keep freed memory resident, whoever allocated it: MKL's "fast memory
+# manager" keeps ~9 MiB of GEMM buffers per process after the first forward, and glibc gives
+# every thread that allocates (gloo's and megazero's communication threads) an arena of its
+# own, whose freed fragments malloc_trim cannot return (8 MiB after a few 4 MiB collectives).
+# Turned off for every contender alike, so that "unaccounted" is memory held by objects.
+ALLOCATOR_CACHES_OFF = {"MKL_DISABLE_FAST_MM": "1", "MALLOC_ARENA_MAX": "1"}
 
 
 class Skip(Exception):
@@ -253,11 +266,12 @@ def _run_contender(kind, args, ps):
 
 
 def _resident() -> int:
-    """Resident bytes of this process now (``/proc/self/statm``), after returning the C
-    allocator's free pages to the system (glibc ``malloc_trim``): memory in use."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Anonymous resident bytes of this process now (``RssAnon``), after returning the C
+    allocator's free pages to the system (glibc ``malloc_trim``): memory in use, without the
+    file-backed pages of the libraries' code that running a kernel first makes resident."""
+    from megazero.training.log import resident_bytes
+
+    return resident_bytes(trim=True, anonymous=True)
 
 
 def _model_params(args, ps):
@@ -401,9 +415,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--allocator-caches", action="store_true",
+                        help="leave MKL's buffer cache and glibc's per-thread arenas on (the "
+                             "default turns both off for every contender, see the docstring)")
     args = parser.parse_args()
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be at least 1")
+    if not args.allocator_caches:  # inherited by every spawned worker, read at its start
+        os.environ.update(ALLOCATOR_CACHES_OFF)
+    caches = "on" if args.allocator_caches else f"off: {ALLOCATOR_CACHES_OFF}"
+    print(f"allocator caches {caches}")
     print(f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     t_start = time.perf_counter()

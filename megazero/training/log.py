@@ -110,16 +110,26 @@ class TensorBoard:
             self.writer.flush()
 
 
-def resident_bytes(trim: bool = False) -> int | None:
+def resident_bytes(trim: bool = False, anonymous: bool = False) -> int | None:
     """This process's resident set size now (Linux ``/proc/self/statm``; None elsewhere).
     ``trim``: first return the C allocator's free pages to the system (glibc ``malloc_trim``),
-    so that what is counted is memory in use, not freed memory the allocator kept."""
+    so that what is counted is memory in use, not freed memory the allocator kept.
+    ``anonymous``: only the anonymous pages (``RssAnon`` of ``/proc/self/status``): the memory
+    the process allocated, without the pages of shared libraries' code and data it has read
+    from disk (file-backed, clean, dropped by the kernel under pressure; running a kernel for
+    the first time makes them resident)."""
     if trim:
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
     try:
+        if anonymous:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        return int(line.split()[1]) * 1024  # kB
+            return None
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
@@ -130,17 +140,20 @@ def log_memory(optimizer, ps: ParallelState, resident_before_model: int | None =
     """Per-rank bytes of model states and of every buffer the optimizer keeps (ZeRO's
     accounting), once, from every rank. On CPU also the resident memory the process gained
     since before the model was built, and how much of it the accounting does not explain
-    (activations already freed, data, the allocator's retained pages)."""
+    (activations already freed, data, the allocator's retained pages). Both counts are of
+    anonymous memory (``resident_bytes(anonymous=True)``), which is what allocations hold;
+    the total resident set is printed beside them."""
     report = optimizer.memory_report()
     mb = {k: round(v / 2**20, 2) for k, v in report.items() if not k.endswith("_peak")}
     line = f"[rank {ps.rank}] memory (MB) of model states and buffers after the first " \
            f"iteration: {mb}"
-    now = resident_bytes(trim=True)
+    now = resident_bytes(trim=True, anonymous=True)
+    total = resident_bytes()
     if ps.device.type == "cpu" and now is not None and resident_before_model is not None:
         gained = now - resident_before_model
         held = sum(v for k, v in report.items()
                    if not k.endswith("_peak") and not k.startswith("host_"))
-        line += (f"; resident {now / 2**20:.1f} MB (allocator trimmed), {gained / 2**20:.1f} "
-                 f"MB more than before the model was built, {(gained - held) / 2**20:.1f} MB "
-                 "of it unaccounted")
+        line += (f"; resident {total / 2**20:.1f} MB (allocator trimmed), of it anonymous "
+                 f"{now / 2**20:.1f} MB, {gained / 2**20:.1f} MB more than before the model "
+                 f"was built, {(gained - held) / 2**20:.1f} MB of it unaccounted")
     logging.getLogger("megazero.memory").warning(line)

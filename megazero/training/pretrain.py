@@ -140,7 +140,7 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
         if saved is not None:  # the vocabulary comes from the tokenizer, not the checkpoint
             config = config.replace_model(**{k: v for k, v in saved.items()
                                               if k != "vocab_size"})
-    resident_before_model = resident_bytes(trim=True)
+    resident_before_model = resident_bytes(trim=True, anonymous=True)
     model = model_provider(config, ps, tracker)
     iters = num_train_iters(config)
     gbs = config.train.global_batch_size
