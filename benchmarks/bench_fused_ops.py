@@ -14,7 +14,12 @@ transformer block step (forward + backward) built with and without the fused ops
 
 Baselines (same math, eager PyTorch): bias_gelu: ``F.gelu(x + b, approximate="tanh")`` (and
 the op-by-op tanh formula); bias_dropout_add: ``r + F.dropout(x + b, p)``; layer_norm:
-``F.layer_norm``; causal softmax: ``softmax((s * scale).masked_fill(triu, -inf))``.
+``F.layer_norm``; causal softmax: ``softmax((s * scale).masked_fill(triu, -inf))``. The Llama
+family's ops on Llama-like shapes (``--llama-*``): rms_norm, bias_swiglu and rope against their
+eager references (``rms_norm_reference``, ``swiglu_reference(y + b)``, ``rope_reference``; RoPE
+on t as the model passes it, a permute of [s, b, heads, hn], cos/sin [b, 1, s, hn]).
+
+    python benchmarks/bench_fused_ops.py --ops rmsnorm,swiglu,rope --no-e2e
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ from megazero.ops import fused_common
 from megazero.ops.fused_bias_gelu import bias_gelu_reference, fused_bias_gelu
 from megazero.ops.fused_dropout import fused_bias_dropout_add
 from megazero.ops.fused_layer_norm import FusedLayerNorm, fused_layer_norm
+from megazero.ops.fused_rms_norm import fused_rms_norm, rms_norm_reference
+from megazero.ops.fused_rope import fused_rope, rope_reference
 from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax, softmax_eager
+from megazero.ops.fused_swiglu import fused_bias_swiglu, swiglu_reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICE = torch.device("cpu")  # --device
@@ -150,6 +158,40 @@ def op_cases(args, dtype):
             "fused": lambda t: scaled_upper_triang_masked_softmax(t, scale),
             "eager": lambda t: softmax_eager(t, scale),
         }, (scores,), grad_like(b * heads, s, s)))
+    return cases + llama_cases(args, rand, grad_like)
+
+
+def llama_cases(args, rand, grad_like):
+    """RMSNorm, SwiGLU (with and without bias) and RoPE on the --llama-* shapes."""
+    s, b, h, f = args.llama_seq, args.batch, args.llama_hidden, args.llama_ffn
+    heads = args.llama_heads
+    cases = []
+    if "rmsnorm" in args.ops:
+        x, w = rand(s, b, h), rand(h)
+        cases.append(("rms_norm", f"[{s},{b},{h}]", {
+            "fused": lambda x, w: fused_rms_norm(x, w, 1e-5),
+            "eager": lambda x, w: rms_norm_reference(x, w, 1e-5),
+        }, (x, w), grad_like(s, b, h)))
+    if "swiglu" in args.ops:
+        y, bias = rand(s, b, 2 * f), rand(2 * f)
+        cases.append(("bias_swiglu", f"[{s},{b},2*{f}]", {
+            "fused": fused_bias_swiglu,
+            "eager": lambda y, bias: swiglu_reference(y + bias),
+        }, (y, bias), grad_like(s, b, f)))
+        cases.append(("swiglu (no bias)", f"[{s},{b},2*{f}]", {
+            "fused": lambda y: fused_bias_swiglu(y, None),
+            "eager": swiglu_reference,
+        }, (y,), grad_like(s, b, f)))
+    if "rope" in args.ops:
+        hn = h // heads
+        t = rand(s, b, heads, hn, grad=False).permute(1, 2, 0, 3).requires_grad_(True)
+        angles = torch.arange(s, dtype=torch.float32, device=DEVICE)[:, None] * torch.rand(
+            hn // 2, device=DEVICE)
+        angles = torch.cat((angles, angles), dim=-1).expand(b, 1, s, hn)
+        cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+        cases.append(("rope", f"[{b},{heads},{s},{hn}] (permuted)", {
+            "fused": fused_rope, "eager": rope_reference,
+        }, (t, cos, sin), grad_like(b, heads, s, hn)))
     return cases
 
 
@@ -262,12 +304,16 @@ def _fmt(ts):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ops", default="gelu,dropout,layernorm,softmax")
+    parser.add_argument("--ops", default="gelu,dropout,layernorm,softmax,rmsnorm,swiglu,rope")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--llama-seq", type=int, default=1024, help="rmsnorm, swiglu, rope")
+    parser.add_argument("--llama-hidden", type=int, default=1024)
+    parser.add_argument("--llama-ffn", type=int, default=2816)
+    parser.add_argument("--llama-heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (CUDA kernels, "

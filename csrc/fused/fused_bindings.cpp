@@ -1,5 +1,6 @@
 // pybind11 module megazero.ops._fused: the fused model ops on CPU (bias+GELU,
-// bias+dropout+residual-add, LayerNorm, scaled upper-triangular masked softmax).
+// bias+dropout+residual-add, LayerNorm, scaled upper-triangular masked softmax; RMSNorm,
+// bias+SwiGLU and RoPE for the Llama family).
 //
 // Functions take raw addresses (tensor.data_ptr()) and sizes from the Python faces in
 // megazero/ops/fused_*.py, never torch objects, so the module does not link libtorch. The
@@ -10,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "fused_common.h"
@@ -127,4 +129,55 @@ PYBIND11_MODULE(_fused, m) {
                             sk, scale, dt, threads(nt));
       },
       nogil, "dx = scale * y * (dy - sum(dy * y)) on the unmasked part, 0 elsewhere");
+  m.def(
+      "rms_norm_fwd",
+      [](uintptr_t x, uintptr_t w, uintptr_t y, uintptr_t rstd, int64_t rows, int64_t h,
+         float eps, int dt, int nt) {
+        table().rms_norm_fwd(ptr<const void>(x), ptr<const void>(w), ptr<void>(y),
+                             ptr<float>(rstd), rows, h, eps, dt, threads(nt));
+      },
+      nogil, "y = x * rstd * w per row of h (w in x's dtype); writes fp32 rstd");
+  m.def(
+      "rms_norm_bwd",
+      [](uintptr_t dy, uintptr_t x, uintptr_t rstd, uintptr_t w, uintptr_t dx, uintptr_t dw,
+         int64_t rows, int64_t h, int dt, int nt) {
+        std::vector<float> scratch(dw ? static_cast<size_t>(threads(nt) * h) : 0);
+        table().rms_norm_bwd(ptr<const void>(dy), ptr<const void>(x), ptr<const float>(rstd),
+                             ptr<const void>(w), ptr<void>(dx), ptr<void>(dw), scratch.data(),
+                             rows, h, dt, threads(nt));
+      },
+      nogil, "RMSNorm backward: dx, and dw summed over rows (dw address 0: not wanted)");
+  m.def(
+      "swiglu_fwd",
+      [](uintptr_t y, uintptr_t bias, uintptr_t out, int64_t rows, int64_t f, int dt, int nt) {
+        table().swiglu_fwd(ptr<const void>(y), ptr<const void>(bias), ptr<void>(out), rows, f,
+                           dt, threads(nt));
+      },
+      nogil, "out[r, j] = silu(g) * u, (g, u) = y[r, 2j:2j+2] + bias; bias address 0: none");
+  m.def(
+      "swiglu_bwd",
+      [](uintptr_t dout, uintptr_t y, uintptr_t bias, uintptr_t dy, uintptr_t dbias,
+         int64_t rows, int64_t f, int dt, int nt) {
+        std::vector<float> scratch(dbias ? static_cast<size_t>(threads(nt) * 2 * f) : 0);
+        table().swiglu_bwd(ptr<const void>(dout), ptr<const void>(y), ptr<const void>(bias),
+                           ptr<void>(dy), ptr<void>(dbias), scratch.data(), rows, f, dt,
+                           threads(nt));
+      },
+      nogil, "SwiGLU backward: dy [rows, 2f] interleaved, dbias = dy summed over rows");
+  m.def(
+      "rope",
+      [](uintptr_t t, uintptr_t cos, uintptr_t sin, uintptr_t out, std::vector<int64_t> sizes,
+         std::vector<int64_t> strides, bool backward, int dt, int nt) {
+        if (sizes.size() != 5 || strides.size() != 10)
+          throw std::invalid_argument("rope: sizes (b, heads, s, hn, rot) and 10 strides");
+        const int64_t* st = strides.data();
+        const RopeDims d{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], st[0], st[1],
+                         st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9]};
+        py::gil_scoped_release release;
+        table().rope(ptr<const void>(t), ptr<const void>(cos), ptr<const void>(sin),
+                     ptr<void>(out), d, backward, dt, threads(nt));
+      },
+      "RoPE (rotate half) of t [b, heads, s, hn] on its first rot dims; sizes (b, heads, s, "
+      "hn, rot), strides (t: b, heads, s; out: b, heads, s; cos: b, s; sin: b, s); backward: "
+      "the gradient of t from the output's");
 }

@@ -53,6 +53,17 @@ struct DropoutArgs {
   bool enabled;        // false: out = residual + x + bias
 };
 
+// Sizes and element strides of RoPE's operands: t and out [b, heads, s, hn] (strides of b,
+// heads, s; unit stride along hn), cos and sin [b, s, rot] (strides of b (0 when broadcast)
+// and s; unit stride along rot).
+struct RopeDims {
+  int64_t b, heads, s, hn, rot;
+  int64_t t_sb, t_sh, t_ss;
+  int64_t o_sb, o_sh, o_ss;
+  int64_t c_sb, c_ss;
+  int64_t s_sb, s_ss;
+};
+
 // One ISA's kernels. `dt`: DType of the activation buffers; `wdt`: DType of LayerNorm's
 // weight/bias (and their gradients). Null bias/weight pointers mean "absent".
 // `scratch` buffers are fp32, sized by the caller as documented in fused_bindings.cpp.
@@ -77,6 +88,18 @@ struct KernelTable {
                       int64_t sk, float scale, int dt, int nthreads);
   void (*softmax_bwd)(const void* dy, const void* y, void* dx, int64_t batches, int64_t sq,
                       int64_t sk, float scale, int dt, int nthreads);
+  // The Llama family (fused_llama_impl.h): RMSNorm's weight has x's dtype; SwiGLU's rows
+  // are [rows, 2f] in, [rows, f] out; RoPE writes out (backward: the gradient of t) from t.
+  void (*rms_norm_fwd)(const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                       int64_t h, float eps, int dt, int nthreads);
+  void (*rms_norm_bwd)(const void* dy, const void* x, const float* rstd, const void* w, void* dx,
+                       void* dw, float* scratch, int64_t rows, int64_t h, int dt, int nthreads);
+  void (*swiglu_fwd)(const void* y, const void* bias, void* out, int64_t rows, int64_t f,
+                     int dt, int nthreads);
+  void (*swiglu_bwd)(const void* dout, const void* y, const void* bias, void* dy, void* dbias,
+                     float* scratch, int64_t rows, int64_t f, int dt, int nthreads);
+  void (*rope)(const void* t, const void* cos, const void* sin, void* out, RopeDims dims,
+               bool backward, int dt, int nthreads);
 };
 
 MZ_DECLARE_SIMD_TABLES(KernelTable, kTable)

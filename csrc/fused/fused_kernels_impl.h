@@ -198,6 +198,8 @@ static void bias_dropout_add_bwd_t(const T* dy, T* dx, T* dbias, float* scratch,
 
 // LayerNorm and the causal softmax: their bodies are in their own file.
 #include "fused_norm_softmax_impl.h"
+// RMSNorm, SwiGLU and RoPE, with their dtype-dispatching entries.
+#include "fused_llama_impl.h"
 
 // ------------------------------------------------------------------ dtype-dispatching entries
 #define MZ_AS(T, p) static_cast<T>(p)
@@ -312,4 +314,5 @@ static void softmax_bwd(const void* dy, const void* y, void* dx, int64_t batches
 extern const KernelTable kTable = {
     bias_gelu_fwd, bias_gelu_bwd, bias_dropout_add_fwd, bias_dropout_add_bwd,
     layer_norm_fwd, layer_norm_bwd, softmax_fwd, softmax_bwd,
+    rms_norm_fwd, rms_norm_bwd, swiglu_fwd, swiglu_bwd, rope,
 };

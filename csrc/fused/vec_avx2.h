@@ -73,6 +73,22 @@ static inline float vhmax(Vf a) {
   return _mm_cvtss_f32(s);
 }
 
+// Pairs (SwiGLU's interleaved gate/up): a, b hold elements [0, W) and [W, 2W) of a block of
+// 2W; even gets the even-indexed elements, odd the odd ones (vinterleave is the inverse).
+static inline void vdeinterleave(Vf a, Vf b, Vf& even, Vf& odd) {
+  // per 128-bit lane [a0 a2 b0 b2 | a4 a6 b4 b6], then 64-bit chunks reordered 0, 2, 1, 3
+  __m256 e = _mm256_shuffle_ps(a.v, b.v, _MM_SHUFFLE(2, 0, 2, 0));
+  __m256 o = _mm256_shuffle_ps(a.v, b.v, _MM_SHUFFLE(3, 1, 3, 1));
+  even = {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)))};
+  odd = {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)))};
+}
+static inline void vinterleave(Vf even, Vf odd, Vf& a, Vf& b) {
+  __m256 lo = _mm256_unpacklo_ps(even.v, odd.v);  // [e0 o0 e1 o1 | e4 o4 e5 o5]
+  __m256 hi = _mm256_unpackhi_ps(even.v, odd.v);  // [e2 o2 e3 o3 | e6 o6 e7 o7]
+  a = {_mm256_permute2f128_ps(lo, hi, 0x20)};
+  b = {_mm256_permute2f128_ps(lo, hi, 0x31)};
+}
+
 // Round to the nearest integer (ties to even), and p * 2^n for integral n in [-127, 128]
 // (vexp in fused_kernels_impl.h); 2^n is built in the exponent bits, split as
 // 2^(n/2) * 2^(n - n/2) so both factors are normal floats.

@@ -70,6 +70,22 @@ static inline float vhmax(Vf a) { return _mm512_reduce_max_ps(a.v); }
 // Lanes [0, n) of a, the others of b.
 static inline Vf vfirst(Vf a, int n, Vf b) { return {_mm512_mask_blend_ps(first_n(n), b.v, a.v)}; }
 
+// Pairs (SwiGLU's interleaved gate/up): a, b hold elements [0, W) and [W, 2W) of a block of
+// 2W; even gets the even-indexed elements, odd the odd ones (vinterleave is the inverse).
+static inline void vdeinterleave(Vf a, Vf b, Vf& even, Vf& odd) {
+  const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  even = {_mm512_permutex2var_ps(a.v, ie, b.v)};
+  odd = {_mm512_permutex2var_ps(a.v, io, b.v)};
+}
+static inline void vinterleave(Vf even, Vf odd, Vf& a, Vf& b) {
+  const __m512i il = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i ih =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  a = {_mm512_permutex2var_ps(even.v, il, odd.v)};
+  b = {_mm512_permutex2var_ps(even.v, ih, odd.v)};
+}
+
 // Round to the nearest integer (ties to even), and p * 2^n (vexp in fused_kernels_impl.h).
 static inline Vf vround(Vf x) {
   return {_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};

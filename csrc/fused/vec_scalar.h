@@ -49,6 +49,15 @@ static inline float vsum(Vf a) { return a.v; }
 static inline float vhmax(Vf a) { return a.v; }
 static inline Vf vfirst(Vf a, int n, Vf b) { return n > 0 ? a : b; }
 static inline Vf vexp(Vf x) { return {std::exp(x.v)}; }
+// Pairs (SwiGLU's interleaved gate/up): with one lane, a block of 2W is one (even, odd) pair.
+static inline void vdeinterleave(Vf a, Vf b, Vf& even, Vf& odd) {
+  even = a;
+  odd = b;
+}
+static inline void vinterleave(Vf even, Vf odd, Vf& a, Vf& b) {
+  a = even;
+  b = odd;
+}
 static inline Vf vdropout(uint32_t lo0, uint32_t key, uint32_t threshold, float scale) {
   return {mix32(mix32(lo0 ^ key)) >= threshold ? scale : 0.0f};
 }

@@ -10,7 +10,9 @@ optimizer step and the global gradient norm: ``megazero.ops.fused_step``.
 
 Fused model ops (CPU kernels in ``csrc/fused``, CUDA LayerNorm/softmax when built), each an
 autograd op with a PyTorch fallback: ``fused_bias_gelu``, ``fused_bias_dropout_add``,
-``fused_layer_norm`` / ``FusedLayerNorm``, ``scaled_upper_triang_masked_softmax``. Multi-tensor
+``fused_layer_norm`` / ``FusedLayerNorm``, ``scaled_upper_triang_masked_softmax``; for the
+Llama family ``fused_rms_norm``, ``fused_bias_swiglu``, ``fused_rope`` (with their
+``*_reference`` eager formulas). Multi-tensor
 CUDA optimizers: ``FusedAdam``, ``FusedLamb`` (cuda_optim.py).
 """
 
@@ -21,9 +23,14 @@ from megazero.ops.cuda_optim import FusedAdam, FusedLamb
 from megazero.ops.fused_bias_gelu import fused_bias_gelu
 from megazero.ops.fused_dropout import fused_bias_dropout_add
 from megazero.ops.fused_layer_norm import FusedLayerNorm, fused_layer_norm
+from megazero.ops.fused_rms_norm import fused_rms_norm, rms_norm_reference
+from megazero.ops.fused_rope import fused_rope, rope_reference
 from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax
+from megazero.ops.fused_swiglu import fused_bias_swiglu, swiglu_reference
 from megazero.ops.registry import OP_MODULES, register_op
 
 __all__ = ["CPUAdam", "CPULamb", "OP_MODULES", "load_extension", "register_op",
            "FusedAdam", "FusedLamb", "FusedLayerNorm", "fused_bias_dropout_add", "fused_bias_gelu",
-           "fused_layer_norm", "scaled_upper_triang_masked_softmax"]
+           "fused_layer_norm", "scaled_upper_triang_masked_softmax", "fused_bias_swiglu",
+           "fused_rms_norm", "fused_rope", "rms_norm_reference", "rope_reference",
+           "swiglu_reference"]

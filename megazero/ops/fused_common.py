@@ -2,14 +2,15 @@
 
 The CPU kernels live in ``csrc/fused/`` and are built as ``megazero.ops._fused``; the CUDA
 LayerNorm and softmax kernels as ``megazero.ops._fused_cuda``. Each op's Python face
-(``fused_bias_gelu.py``, ``fused_dropout.py``, ``fused_layer_norm.py``, ``fused_softmax.py``)
-calls :func:`cpu_extension` / :func:`cuda_extension` per call and takes its PyTorch path when it
-gets ``None`` (extension not built, or disabled with ``MEGAZERO_DISABLE_OPS=fused``).
+(``fused_bias_gelu.py``, ``fused_dropout.py``, ``fused_layer_norm.py``, ``fused_softmax.py``,
+``fused_rms_norm.py``, ``fused_swiglu.py``, ``fused_rope.py``) calls :func:`cpu_extension` /
+:func:`cuda_extension` per call and takes its PyTorch path when it gets ``None`` (extension not
+built, or disabled with ``MEGAZERO_DISABLE_OPS=fused``).
 
-Kernels receive raw addresses (``tensor.data_ptr()``) of contiguous tensors plus sizes, and
-``torch.get_num_threads()`` as their OpenMP thread count. The SIMD level follows the
-optimizer extensions' rules (``megazero.ops._cpu_ext``): the best the CPU supports, capped by
-``MEGAZERO_SIMD``, forcible with :func:`forced_simd_level`.
+Kernels receive raw addresses (``tensor.data_ptr()``) of contiguous tensors (RoPE: strided
+rows) plus sizes, and ``torch.get_num_threads()`` as their OpenMP thread count. The SIMD level
+follows the optimizer extensions' rules (``megazero.ops._cpu_ext``): the best the CPU
+supports, capped by ``MEGAZERO_SIMD``, forcible with :func:`forced_simd_level`.
 """
 
 from __future__ import annotations

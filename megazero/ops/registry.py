@@ -27,6 +27,9 @@ OP_MODULES: tuple[str, ...] = (
     "megazero.ops.fused_dropout",
     "megazero.ops.fused_layer_norm",
     "megazero.ops.fused_softmax",
+    "megazero.ops.fused_rms_norm",
+    "megazero.ops.fused_swiglu",
+    "megazero.ops.fused_rope",
     "megazero.ops.cuda_fused",
     "megazero.ops.cuda_optim",
 )
