@@ -265,11 +265,19 @@ setup(
     packages=find_packages(include=["megazero", "megazero.*"]),
     install_requires=["torch>=2.3", "numpy", "regex", "sentencepiece"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "ruff", "matplotlib", "safetensors"],
+        "test": ["pytest>=7", "pytest-timeout", "ruff", "matplotlib", "safetensors",
+                 "tensorboard", "wandb"],
+        "wandb": ["wandb"],
         "plot": ["matplotlib"],
         "hf": ["safetensors"],
         # benchmarks/bench_megatron.py's peer (pins the last release reachable here)
         "bench": ["megatron-core==0.16.1"],
+        # tests/test_megatron_checkpoint.py's peer: Megatron-core's GPTModel on CPU, loading
+        # and saving Megatron-LM checkpoints next to megazero's (skipped without it). Pure
+        # Python; install it without its dependencies so pip leaves the torch build alone:
+        #     pip install --no-deps "megatron-core==0.16.1"
+        # (``pip install -e .[megatron]`` also works where the installed torch is >= 2.6)
+        "megatron": ["megatron-core==0.16.1"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext_cls},

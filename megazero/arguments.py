@@ -4,8 +4,8 @@ Flags are grouped by concern like Megatron's ``arguments.py``. Each flag's desti
 field of one of the config dataclasses and its default is read from that field (``_Flags``),
 so a default is written once, in ``config.py``. ``parse_args`` returns the validated config
 tree; the world size comes from torchrun's ``WORLD_SIZE`` (1 when launched as one process).
-Flags that Megatron scripts pass and megazero does not need are accepted and say so in their
-help (the compatibility group).
+Megatron's other flags (honoured through megazero's own settings, or refused with an
+alternative) are in ``arguments_compat``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 
+from megazero.arguments_compat import UNSUPPORTED_TOKENIZERS, add_compat_args, apply_compat
 from megazero.config import (
     ConfigError,
     DataConfig,
@@ -55,14 +56,44 @@ def _add_model_args(parser):
         g.add(f"--{name}", type=int)
     for name in ("layernorm-epsilon", "init-method-std", "attention-dropout", "hidden-dropout"):
         g.add(f"--{name}", type=float)
+    g.add("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+          help="learned absolute positions (GPT-2, default), rotary (RoPE) or none")
+    g.add("--rotary-base", type=int, help="RoPE's base period (default 10000)")
+    g.add("--rotary-percent", type=float,
+          help="fraction of each head's dimensions that RoPE rotates (default 1.0)")
+    g.add("--normalization", choices=["LayerNorm", "RMSNorm"])
+    g.add("--swiglu", action="store_true",
+          help="SwiGLU MLP: silu(gate) * up (default --ffn-hidden-size int(8h/3/64)*64)")
+    g.add("--group-query-attention", action="store_true",
+          help="grouped-query attention with --num-query-groups key/value heads")
+    g.add("--num-query-groups", type=int)
+    g.add("--untie-embeddings-and-output-weights", action="store_true",
+          help="an output layer of its own instead of the word embedding's transpose")
+    g.add("--disable-bias-linear", field="add_bias_linear", action="store_false",
+          help="no bias in any linear layer (qkv, attention output, MLP)")
+    g.add("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"],
+          help="scaled_dot_product_attention's kernel: auto (torch chooses), flash, fused "
+               "(memory-efficient), unfused/local (explicit matmul + softmax)")
+    g.add("--attention-softmax-in-fp32", action="store_true",
+          help="with --bf16/--fp16, the unfused attention computes its softmax in fp32 (the "
+               "flash and fused kernels always accumulate it in fp32)")
     g.add("--recompute-activations", "--checkpoint-activations", action="store_true",
-          help="recompute each transformer layer's activations in backward")
+          help="recompute each transformer layer's activations in backward (Megatron's "
+               "--recompute-granularity full --recompute-method uniform)")
+    g.add("--recompute-granularity", choices=["full", "selective"],
+          help="full: whole layers (--recompute-method, --recompute-num-layers); selective: "
+               "only the attention core (scores, softmax, dropout, context)")
+    g.add("--recompute-method", choices=["uniform", "block"],
+          help="uniform: chunks of --recompute-num-layers layers, each recomputed as one; "
+               "block: the first --recompute-num-layers layers of each stage, each alone")
     g.add("--checkpoint-num-layers", "--recompute-num-layers", field="recompute_num_layers",
           type=int, help="layers per recompute chunk")
     g.add("--partition-activations", "--distribute-checkpointed-activations",
           action="store_true", help="split each recompute chunk's saved input across tp ranks")
     g.add("--no-bias-gelu-fusion", field="bias_gelu_fusion", action="store_false")
     g.add("--no-bias-dropout-fusion", field="bias_dropout_fusion", action="store_false")
+    g.add("--no-bias-swiglu-fusion", field="bias_swiglu_fusion", action="store_false")
+    g.add("--no-rope-fusion", field="apply_rope_fusion", action="store_false")
     g.add("--no-persist-layer-norm", "--no-fused-layernorm", field="fused_layernorm",
           action="store_false")
 
@@ -94,7 +125,12 @@ def _add_optimizer_args(parser):
     g.add("--optimizer", choices=["adam", "lamb", "sgd"])
     g.add("--lr", type=float)
     g.add("--min-lr", type=float)
-    g.add("--lr-decay-style", choices=["constant", "linear", "cosine"])
+    g.add("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root",
+                                       "WSD"])
+    g.add("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential", "minus_sqrt"],
+          help="WSD's final decay (default exponential, as Megatron)")
+    g.add("--lr-wsd-decay-iters", type=int, help="WSD: iterations of the final decay")
+    g.add("--lr-wsd-decay-samples", type=int, help="WSD: samples of the final decay")
     g.add("--lr-warmup-fraction", type=float)
     g.add("--lr-warmup-iters", type=int)
     g.add("--lr-warmup-samples", type=int)
@@ -152,7 +188,10 @@ def _add_data_args(parser):
     g.add("--data-path", nargs="*", help="prefix, or weight prefix weight prefix ... for a blend")
     g.add("--split")
     g.add("--data-cache-path")
-    g.add("--tokenizer-type", choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
+    g.add("--tokenizer-type", choices=["GPT2BPETokenizer", "SentencePieceTokenizer",
+                                       "NullTokenizer", *UNSUPPORTED_TOKENIZERS],
+          help="NullTokenizer: pre-tokenized ids below --vocab-size, end-of-document id "
+               "--vocab-size (Megatron's)")
     g.add("--vocab-file")
     g.add("--merge-file")
     g.add("--tokenizer-model")
@@ -173,6 +212,9 @@ def _add_training_args(parser):
     g.add("--global-batch-size", type=int)
     g.add("--train-iters", type=int)
     g.add("--train-samples", type=int)
+    g.add("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"),
+          help="grow the global batch from START by INCREMENT over the first SAMPLES samples "
+               "to --global-batch-size (needs --train-samples)")
     g.add("--seed", type=int)
     g.add("--exit-interval", type=int)
     g.add("--exit-duration-in-mins", type=float)
@@ -196,6 +238,27 @@ def _add_training_args(parser):
                "after the first iteration")
     g.add("--pipeline-trace",
           help="record each micro-batch's forward/backward times to this file prefix")
+    g.add("--log-throughput", action="store_true",
+          help="add Megatron's 'throughput per GPU (TFLOP/s/GPU)' to the log line")
+    g.add("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add("--wandb-project", help="log to wandb (offline unless WANDB_MODE says otherwise)")
+    g.add("--wandb-exp-name")
+    g.add("--wandb-save-dir", help="default <--save or .>/wandb")
+    g.add("--profile", action="store_true",
+          help="torch.profiler Chrome trace of --profile-step-start..--profile-step-end")
+    g.add("--use-pytorch-profiler", field="profile", action="store_true",
+          help="the same as --profile (megazero's profiler is torch.profiler)")
+    g.add("--profile-step-start", type=int)
+    g.add("--profile-step-end", type=int)
+    g.add("--profile-ranks", type=int, nargs="+")
+    g.add("--profile-dir", help="folder of the traces (default <--tensorboard-dir or .>/profile)")
+    g.add("--manual-gc", action="store_true",
+          help="Python's garbage collector off; collect every --manual-gc-interval "
+               "iterations, at evaluation and at checkpoints")
+    g.add("--manual-gc-interval", type=int)
+    g.add("--empty-unused-memory-level", type=int, choices=[0, 1, 2],
+          help="return the CUDA allocator's free blocks after each iteration (1) and after "
+               "evaluation (2)")
 
     g = _Flags(parser, "checkpointing", TrainConfig)
     g.add("--save")
@@ -205,35 +268,8 @@ def _add_training_args(parser):
           help="skip the checksums of loaded checkpoint files (their coordinates are always "
                "checked)")
     for name in ("no-save-optim", "no-save-rng", "no-load-optim", "no-load-rng", "finetune",
-                 "use-checkpoint-args"):
+                 "use-checkpoint-args", "exit-on-missing-checkpoint"):
         g.add(f"--{name}", action="store_true")
-
-
-def _add_compat_args(parser):
-    """Megatron flags that Megatron scripts pass and megazero does not need: accepted so the
-    scripts run unchanged, with what megazero does instead in their help. Nothing reads them."""
-    g = parser.add_argument_group("Megatron compatibility (accepted, no effect)")
-    g.add_argument("--data-impl", choices=["mmap", "infer"], default="mmap",
-                   help="megazero reads Megatron's mmap format only")
-    g.add_argument("--DDP-impl", dest="ddp_impl", choices=["local", "torch"], default="local",
-                   help="megazero's data parallelism is its own ZeRO-0..3 optimizer")
-    g.add_argument("--use-cpu-initialization", action="store_true",
-                   help="initialisation is always layout-invariant (drawn per full tensor)")
-    g.add_argument("--use-flash-attn", action="store_true",
-                   help="attention always goes through scaled_dot_product_attention")
-    g.add_argument("--attention-softmax-in-fp32", action="store_true",
-                   help="the loss and attention softmax already accumulate in fp32")
-    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion",
-                   action="store_false",
-                   help="attention goes through scaled_dot_product_attention, fused by torch")
-    g.add_argument("--zero-allgather-bucket-size", type=int, default=25_000_000,
-                   help="parameters are all-gathered in the reduce buckets (ZeRO 1-2) or the "
-                        "units (ZeRO-3)")
-    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
-    g.add_argument("--no-gradient-accumulation-fusion", action="store_true")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute"],
-                   default="learned_absolute", help="GPT-2 uses learned absolute positions")
-    g.add_argument("--normalization", choices=["LayerNorm"], default="LayerNorm")
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -244,7 +280,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_optimizer_args(parser)
     _add_data_args(parser)
     _add_training_args(parser)
-    _add_compat_args(parser)
+    add_compat_args(parser)
     _add_dry_run_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -291,6 +327,7 @@ def _pick(ns, cls, **values):
 
 
 def namespace_to_config(ns: argparse.Namespace, world_size: int | None = None) -> MegazeroConfig:
+    apply_compat(ns)
     if world_size is None:
         world_size = getattr(ns, "dry_run_world_size", None) or ns.world_size
         if world_size is None:

@@ -80,35 +80,67 @@ def signal_name(name) -> str | None:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
 @dataclass
 class ModelConfig:
-    """GPT-2 shape and regularisation (Megatron flag names in the messages)."""
+    """Transformer shape, architecture family and regularisation (Megatron flag names in the
+    messages). The defaults are GPT-2; Megatron's flags select the Llama family (RoPE, RMSNorm,
+    SwiGLU, grouped-query attention, untied embeddings, no linear biases)."""
 
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    # default 4 * hidden_size; with --swiglu Megatron's int(8 * hidden / 3 / 64) * 64
+    ffn_hidden_size: int | None = None
     seq_length: int = 128
     max_position_embeddings: int | None = None  # default seq_length
     vocab_size: int | None = None  # true vocabulary size, set from the tokenizer
     make_vocab_size_divisible_by: int = 128
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
+    # architecture family (Megatron's flags)
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0  # fraction of each head's dims that RoPE rotates
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    swiglu: bool = False
+    group_query_attention: bool = False
+    num_query_groups: int | None = None  # key/value heads; None: one per attention head
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True  # --disable-bias-linear: no bias in any linear layer
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     params_dtype: str = "float32"
-    # activation recompute
+    # attention kernel: auto | flash | fused | unfused | local (scaled_dot_product_attention's)
+    attention_backend: str = "auto"
+    attention_softmax_in_fp32: bool = False
+    # activation recompute (Megatron's --recompute-granularity full = recompute_activations)
     recompute_activations: bool = False
+    recompute_granularity: str | None = None  # full | selective
+    recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1
     partition_activations: bool = False
     # fused kernels (used when built; PyTorch reference otherwise)
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
-    fused_layernorm: bool = True
+    fused_layernorm: bool = True  # LayerNorm and RMSNorm
+    bias_swiglu_fusion: bool = True
+    apply_rope_fusion: bool = True
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64 \
+                if self.swiglu else 4 * self.hidden_size
+        if self.num_query_groups is not None:
+            _int_at_least(self.num_query_groups, "--num-query-groups", 1)
+            _check(self.group_query_attention,
+                   "--num-query-groups needs --group-query-attention")
+        elif self.group_query_attention:
+            raise ConfigError("--group-query-attention needs --num-query-groups")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -127,6 +159,40 @@ class ModelConfig:
         _check(self.params_dtype in DTYPES,
                f"params dtype must be one of {sorted(DTYPES)}, got {self.params_dtype!r}")
         _int_at_least(self.recompute_num_layers, "--checkpoint-num-layers", 1)
+        _check(self.recompute_granularity in (None, "full", "selective"),
+               f"--recompute-granularity must be full or selective, got "
+               f"{self.recompute_granularity!r}")
+        _check(self.recompute_method in ("uniform", "block"),
+               f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        if self.recompute_granularity == "full":
+            self.recompute_activations = True
+        elif self.recompute_activations and self.recompute_granularity is None:
+            self.recompute_granularity = "full"
+        _check(not (self.recompute_activations and self.recompute_granularity == "selective"),
+               "--recompute-activations (whole layers) contradicts --recompute-granularity "
+               "selective")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+               f"{self.attention_backend!r}")
+        _check(self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+               f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDING_TYPES)}"
+               f", got {self.position_embedding_type!r}")
+        _check(self.normalization in NORMALIZATIONS,
+               f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got "
+               f"{self.normalization!r}")
+        _int_at_least(self.rotary_base, "--rotary-base", 1)
+        ok = isinstance(self.rotary_percent, numbers.Real) and 0.0 < self.rotary_percent <= 1.0
+        _check(ok, f"--rotary-percent must be in (0, 1], got {self.rotary_percent!r}")
+        if self.position_embedding_type == "rope":
+            rot = int(self.head_dim * self.rotary_percent)
+            _check(rot >= 2 and rot % 2 == 0,
+                   f"--rotary-percent {self.rotary_percent} of the head dimension "
+                   f"{self.head_dim} rotates {rot} dimensions; RoPE needs an even number >= 2")
+        if self.num_query_groups is not None:
+            _int_at_least(self.num_query_groups, "--num-query-groups", 1)
+            _check(self.num_attention_heads % self.num_query_groups == 0,
+                   f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                   f"--num-query-groups ({self.num_query_groups})")
         if self.vocab_size is not None:
             _int_at_least(self.vocab_size, "--vocab-size", 1)
 
@@ -137,6 +203,19 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``--num-query-groups`` with grouped-query attention, else one per
+        attention head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (0 without RoPE)."""
+        if self.position_embedding_type != "rope":
+            return 0
+        return int(self.head_dim * self.rotary_percent)
 
 
 @dataclass
@@ -190,7 +269,10 @@ class OptimizerConfig:
     optimizer: str = "adam"  # adam | lamb | sgd
     lr: float = 1.5e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "cosine"  # constant | linear | cosine
+    lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root | WSD
+    lr_wsd_decay_style: str = "exponential"  # linear | cosine | exponential | minus_sqrt
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
     lr_warmup_fraction: float | None = None
     lr_warmup_iters: int = 0
     lr_warmup_samples: int = 0
@@ -227,9 +309,19 @@ class OptimizerConfig:
     def __post_init__(self):
         _check(self.optimizer in ("adam", "lamb", "sgd"),
                f"--optimizer must be adam, lamb or sgd, got {self.optimizer!r}")
-        _check(self.lr_decay_style in ("constant", "linear", "cosine"),
-               f"--lr-decay-style must be constant, linear or cosine, got "
+        styles = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+        _check(self.lr_decay_style in styles,
+               f"--lr-decay-style must be one of {', '.join(styles)}, got "
                f"{self.lr_decay_style!r}")
+        wsd = ("linear", "cosine", "exponential", "minus_sqrt")
+        _check(self.lr_wsd_decay_style in wsd,
+               f"--lr-wsd-decay-style must be one of {', '.join(wsd)}, got "
+               f"{self.lr_wsd_decay_style!r}")
+        _optional_int_at_least(self.lr_wsd_decay_iters, "--lr-wsd-decay-iters", 1)
+        _optional_int_at_least(self.lr_wsd_decay_samples, "--lr-wsd-decay-samples", 1)
+        if self.lr_decay_style == "WSD":
+            _check(self.lr_wsd_decay_iters is not None or self.lr_wsd_decay_samples is not None,
+                   "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
         _check(not (self.fp16 and self.bf16), "--fp16 and --bf16 cannot both be set")
         _finite(self.lr, "--lr", positive=False)
         _finite(self.min_lr, "--min-lr", positive=False)
@@ -298,6 +390,9 @@ class DataConfig:
         if self.tokenizer_type == "SentencePieceTokenizer":
             _check(self.tokenizer_model is not None,
                    "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+        if self.tokenizer_type == "NullTokenizer":
+            _check(self.vocab_size is not None,
+                   "--tokenizer-type NullTokenizer needs --vocab-size")
         parts = self.split.replace("/", ",").split(",")
         try:
             weights = [float(p) for p in parts if p.strip()]
@@ -312,6 +407,9 @@ class DataConfig:
         _optional_int_at_least(self.vocab_size, "--vocab-size", 1)
         if self.mock_data:
             _check(not self.data_path, "--mock-data and --data-path are exclusive")
+            _check(self.tokenizer_type in (None, "NullTokenizer"),
+                   f"--mock-data brings its own null tokenizer; --tokenizer-type "
+                   f"{self.tokenizer_type} contradicts it")
             _check(self.vocab_size is not None and self.vocab_size > 1,
                    f"--mock-data needs --vocab-size >= 2, got {self.vocab_size!r}")
         if self.data_path:
@@ -351,6 +449,24 @@ class TrainConfig:
     log_memory: bool = False
     pipeline_trace: str | None = None
     skip_train: bool = False
+    exit_on_missing_checkpoint: bool = False
+    # [start, increment, samples]: the global batch grows from start by increment over the
+    # first `samples` samples to --global-batch-size (Megatron's --rampup-batch-size)
+    rampup_batch_size: list | None = None
+    # monitoring (megazero.training.monitor)
+    log_throughput: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list = field(default_factory=lambda: [0])
+    profile_dir: str | None = None  # default <tensorboard-dir or .>/profile
+    manual_gc: bool = False
+    manual_gc_interval: int = 0  # 0: only at evaluation and checkpoints
+    empty_unused_memory_level: int = 0
 
     def __post_init__(self):
         _int_at_least(self.micro_batch_size, "--micro-batch-size", 1)
@@ -366,6 +482,30 @@ class TrainConfig:
         _int_at_least(self.eval_iters, "--eval-iters", 0)
         _optional_int_at_least(self.save_interval, "--save-interval", 1)
         _optional_int_at_least(self.exit_interval, "--exit-interval", 1)
+        _int_at_least(self.profile_step_start, "--profile-step-start", 1)
+        _check(isinstance(self.profile_step_end, numbers.Integral)
+               and self.profile_step_end >= self.profile_step_start,
+               f"--profile-step-end ({self.profile_step_end}) must be >= --profile-step-start "
+               f"({self.profile_step_start})")
+        _int_at_least(self.manual_gc_interval, "--manual-gc-interval", 0)
+        if self.rampup_batch_size is not None:
+            r = self.rampup_batch_size
+            _check(isinstance(r, list) and len(r) == 3,
+                   f"--rampup-batch-size takes 3 integers <start> <increment> <samples>, got "
+                   f"{r!r}")
+            for name, v, low in zip(("start", "increment", "samples"), r, (1, 1, 0)):
+                _int_at_least(v, f"--rampup-batch-size {name}", low)
+            _check(self.train_samples is not None,
+                   "--rampup-batch-size needs --train-samples: use --train-samples instead of "
+                   "--train-iters (as in Megatron, iteration-based training has no ramp-up)")
+        _check(isinstance(self.profile_ranks, list) and all(
+            isinstance(r, numbers.Integral) and r >= 0 for r in self.profile_ranks),
+            f"--profile-ranks must be integers >= 0, got {self.profile_ranks!r}")
+        _check(self.empty_unused_memory_level in (0, 1, 2),
+               f"--empty-unused-memory-level must be 0, 1 or 2, got "
+               f"{self.empty_unused_memory_level!r}")
+        _check(not (self.exit_on_missing_checkpoint and not self.load),
+               "--exit-on-missing-checkpoint needs --load")
         if self.exit_duration_in_mins is not None:
             _finite(self.exit_duration_in_mins, "--exit-duration-in-mins", positive=True)
         name = signal_name(self.exit_signal)
@@ -395,6 +535,10 @@ class MegazeroConfig:
         _check(m.num_attention_heads % tp == 0,
                f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
                f"--tensor-model-parallel-size ({tp})")
+        _check(m.kv_heads % tp == 0,
+               f"--num-query-groups ({m.kv_heads}) must be divisible by "
+               f"--tensor-model-parallel-size ({tp}): each tp rank holds whole key/value "
+               "groups (as Megatron requires)")
         _check(m.ffn_hidden_size % tp == 0,
                f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
                f"--tensor-model-parallel-size ({tp})")
@@ -425,6 +569,16 @@ class MegazeroConfig:
             _check(o.lr_warmup_iters < decay,
                    f"--lr-warmup-iters ({o.lr_warmup_iters}) must be smaller than the lr decay "
                    f"({decay} iterations: --lr-decay-iters, else --train-iters)")
+        if t.rampup_batch_size is not None:
+            start, inc, _ = t.rampup_batch_size
+            unit = t.micro_batch_size * dp * (pp if v is not None else 1)
+            _check(start <= t.global_batch_size and (t.global_batch_size - start) % inc == 0,
+                   f"--rampup-batch-size: --global-batch-size ({t.global_batch_size}) must be "
+                   f"the start ({start}) plus a whole number of increments ({inc})")
+            _check(start % unit == 0 and inc % unit == 0,
+                   f"--rampup-batch-size: the start ({start}) and increment ({inc}) must be "
+                   f"multiples of --micro-batch-size x dp"
+                   f"{' x pp (interleaved)' if v is not None else ''} = {unit}")
         if v is not None:
             n_micro = t.global_batch_size // (t.micro_batch_size * dp)
             _check(n_micro % pp == 0,
@@ -434,8 +588,26 @@ class MegazeroConfig:
 
     @property
     def num_microbatches(self) -> int:
+        return self.microbatches_for(self.train.global_batch_size)
+
+    def microbatches_for(self, global_batch_size: int) -> int:
+        """Micro-batches per iteration for a global batch of this size on this layout."""
         dp = self.parallel.data_parallel_size
-        return self.train.global_batch_size // (self.train.micro_batch_size * dp)
+        return global_batch_size // (self.train.micro_batch_size * dp)
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration after ``consumed_samples`` samples: with
+        ``--rampup-batch-size start inc samples``, start + inc for every samples / ((gbs -
+        start) / inc) consumed (Megatron's ramp-up), up to --global-batch-size."""
+        t = self.train
+        if t.rampup_batch_size is None:
+            return t.global_batch_size
+        start, inc, ramp = t.rampup_batch_size
+        steps = (t.global_batch_size - start) // inc
+        if steps == 0 or consumed_samples > ramp:
+            return t.global_batch_size
+        per_step = ramp / steps
+        return min(t.global_batch_size, start + int(consumed_samples / per_step) * inc)
 
     def replace_model(self, **fields) -> MegazeroConfig:
         """A new config with these ``ModelConfig`` fields changed, validated again."""

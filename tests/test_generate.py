@@ -90,9 +90,15 @@ def test_sampling_is_reproducible_and_context_is_cut(tp2_checkpoint):
     assert len(older["ids"]) == 8
 
 
-def kv_cache_case(tp):
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+             group_query_attention=True, num_query_groups=2,
+             untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+
+def kv_cache_case(tp, family=None):
     """Logits of every position: the whole sequence at once vs the prompt, then a chunk of
-    several positions, then one position at a time through the KV cache."""
+    several positions, then one position at a time through the KV cache (``family``: extra
+    ModelConfig fields, e.g. the Llama family's)."""
     from megazero.config import ModelConfig
     from megazero.distributed.parallel_state import ParallelState
     from megazero.inference.generate import next_logits
@@ -101,7 +107,7 @@ def kv_cache_case(tp):
     ps = ParallelState.build(tp_size=tp)
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=90,
                       make_vocab_size_divisible_by=8, seq_length=16,
-                      max_position_embeddings=16, init_method_std=0.3)
+                      max_position_embeddings=16, init_method_std=0.3, **(family or {}))
     model = GPTModel(cfg, ps, seed=11).eval()
     ids = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(3))
     full = [next_logits(model, ps, ids[:, :n], 90) for n in range(1, 17)]
@@ -123,6 +129,12 @@ def test_kv_cache_matches_the_full_forward_tp1():
 
 def test_kv_cache_matches_the_full_forward_tp2():
     assert all(run_distributed(kv_cache_case, 2, 2))
+
+
+def test_kv_cache_matches_the_full_forward_llama_family():
+    """RoPE at the cached offsets, grouped key/value heads in the cache, untied output."""
+    assert kv_cache_case(1, LLAMA)
+    assert all(run_distributed(kv_cache_case, 2, 2, LLAMA))
 
 
 def test_cli_with_and_without_kv_cache_agree(tp2_checkpoint):

@@ -86,3 +86,18 @@ def test_cli_log_lines_match_the_single_process_run_at_other_layouts():
         assert got.keys() == base.keys(), (layout, out[-2000:])
         for it, loss in base.items():
             assert abs(got[it] - loss) <= 1e-5 * abs(loss), (layout, it, got[it], loss)
+
+
+def test_llama_tiny_script_trains_and_resumes(tmp_path):
+    """scripts/pretrain_llama_tiny.sh: Megatron's Llama flags, the default corpus, Megatron's
+    log line with its throughput phrase, a progress line, and a resume."""
+    ckpt = tmp_path / "llama"
+    env = {"CHECKPOINT_DIR": str(ckpt), "SAVE_INTERVAL": "2", "LOG_INTERVAL": "1",
+           "EVAL_ITERS": "0"}
+    small = SMALL + ["--num-attention-heads", "4", "--num-query-groups", "2",
+                     "--ffn-hidden-size", "96"]
+    out = run(["bash", "scripts/pretrain_llama_tiny.sh", *small], {**env, "TRAIN_ITERS": "2"})
+    assert iterations_logged(out) == [1, 2]
+    assert "throughput per GPU (TFLOP/s/GPU):" in out and " progress: 2/2 iterations" in out
+    out = run(["bash", "scripts/pretrain_llama_tiny.sh", *small], {**env, "TRAIN_ITERS": "3"})
+    assert iterations_logged(out) == [3]

@@ -65,23 +65,30 @@ def run_training(argv: str, world: int, timeout: float = 300):
     return losses, full, results
 
 
-def _comparable(name, t, heads=4):
+def _comparable(name, t, heads=4, groups=None):
     """The key bias of attention has an analytically zero gradient (softmax is invariant to
     adding q.b_k to every score of a row), so its values are rounding noise amplified by
-    Adam's normalisation and differ between any two summation orders: compare q and v only."""
+    Adam's normalisation and differ between any two summation orders: compare q and v only
+    (rows ``[group, (q_1 .. q_{heads/groups}, k, v), head_dim]``; groups = heads without
+    grouped-query attention)."""
     if name.endswith("attention.qkv.bias"):
-        return t.view(heads, 3, -1)[:, [0, 2]]
+        groups = groups or heads
+        per = heads // groups
+        keep = [i for i in range(per + 2) if i != per]
+        return t.view(groups, per + 2, -1)[:, keep]
     return t
 
 
-def assert_same_run(a, b, rtol=1e-5, what=""):
-    """Losses and final parameters of two runs agree to ``rtol`` (relative to each max)."""
+def assert_same_run(a, b, rtol=1e-5, what="", kv_groups=None):
+    """Losses and final parameters of two runs agree to ``rtol`` (relative to each max);
+    ``kv_groups``: the key/value groups of TINY's 4 heads (grouped-query attention)."""
     (la, pa, _), (lb, pb, _) = a, b
     assert len(la) == len(lb) and len(la) > 0, (len(la), len(lb))
     torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=rtol, atol=0,
                                msg=lambda m: f"{what} losses differ: {la} vs {lb}\n{m}")
     assert pa.keys() == pb.keys(), sorted(set(pa) ^ set(pb))
     for name in pa:
-        x, y = _comparable(name, pa[name]), _comparable(name, pb[name])
+        x = _comparable(name, pa[name], groups=kv_groups)
+        y = _comparable(name, pb[name], groups=kv_groups)
         err = float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
         assert err <= rtol, f"{what}: parameter {name} differs (max rel err {err:.2e})"

@@ -12,6 +12,12 @@
 - ``load``: ``load_checkpoint``, the one load path (the same layout is the reader's special
   case); returns a ``LoadedCheckpoint`` for the caller to apply.
 - ``reshard``: ``assemble`` / ``cut`` full tensors from and to shards; ``rng``: RNG states.
+- ``megatron``: Megatron-LM checkpoints (``torch`` format, legacy or Megatron-core names):
+  ``is_megatron_checkpoint``, ``MegatronReader`` (full tensors and optimizer states for any
+  layout; ``load_checkpoint`` uses it for ``--load`` of a Megatron folder);
+  ``megatron_format``: safe unpickling, names, the architecture from Megatron's args;
+  ``megatron_save``: ``write_megatron_checkpoint`` (full tensors -> Megatron files at any
+  tp/pp).
 
 Imports ``distributed`` and ``tensor_parallel`` (the ``ParamMeta`` contract), never the model,
 the optimizers' classes or training: the optimizer is reached through its
@@ -19,11 +25,14 @@ the optimizers' classes or training: the optimizer is reached through its
 """
 
 from megazero.checkpoint.load import LoadedCheckpoint, checkpoint_model_args, load_checkpoint
+from megazero.checkpoint.megatron import MegatronReader, is_megatron_checkpoint
+from megazero.checkpoint.megatron_save import write_megatron_checkpoint
 from megazero.checkpoint.paths import CheckpointError, read_tracker, verify_file
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.save import save_checkpoint
 from megazero.checkpoint.savedir import SaveDirGuard, prepare_save_dir
 
-__all__ = ["CheckpointError", "CheckpointReader", "LoadedCheckpoint", "SaveDirGuard",
-           "checkpoint_model_args", "load_checkpoint", "prepare_save_dir", "read_tracker",
-           "save_checkpoint", "verify_file"]
+__all__ = ["CheckpointError", "CheckpointReader", "LoadedCheckpoint", "MegatronReader",
+           "SaveDirGuard", "checkpoint_model_args", "is_megatron_checkpoint", "load_checkpoint",
+           "prepare_save_dir", "read_tracker", "save_checkpoint", "verify_file",
+           "write_megatron_checkpoint"]

@@ -7,10 +7,18 @@ copies as it is (its special case); at another tp/pp/dp/ZeRO/virtual layout the 
 and joins. RNG states carry over when the tp x pp x dp grid is unchanged and are re-derived
 otherwise (``rng.rederive_rng``): with dropout off the run continues exactly.
 
+A Megatron-LM checkpoint (``megatron.is_megatron_checkpoint``: Megatron's folders without
+megazero's layout file and checksums) is read the same way through a ``MegatronReader``, which
+assembles each full tensor from Megatron's files and cuts this rank's slice from it: the model
+loads at any layout, training continues from its iteration and consumed samples, with its
+optimizer state when Megatron's (non-distributed) optimizer maps onto the model, else only with
+--no-load-optim or --finetune (the error says why). RNG states are not taken from Megatron
+files (the seeded ones stay).
+
 The loader changes the model, optimizer, scheduler and RNG it is given, and returns what the
 caller must apply itself (``LoadedCheckpoint``: iteration, consumed samples, the saved config);
 it never edits the caller's config. ``checkpoint_model_args`` reads the saved model shape for
-``--use-checkpoint-args``.
+``--use-checkpoint-args`` (from Megatron's args for a Megatron checkpoint).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megazero.checkpoint.megatron import MegatronReader, is_megatron_checkpoint
 from megazero.checkpoint.paths import (
     CheckpointError,
     read_layout_file,
@@ -28,7 +37,7 @@ from megazero.checkpoint.paths import (
 )
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.rng import rederive_rng, set_rng_state
-from megazero.checkpoint.save import layout_of, model_shape
+from megazero.checkpoint.save import ARCH_DEFAULTS, layout_of, model_shape
 from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState, rank_of
 from megazero.tensor_parallel.meta import meta_of
@@ -55,7 +64,7 @@ class LoadedCheckpoint:
 
 
 def check_model_shape(saved_args: dict, config, where: str) -> None:
-    saved = saved_args.get("model", {})
+    saved = {**ARCH_DEFAULTS, **saved_args.get("model", {})}
     current = model_shape(config)
     diffs = [f"{k}: checkpoint {saved.get(k)} vs current {v}" for k, v in current.items()
              if k in saved and saved[k] != v]
@@ -66,13 +75,24 @@ def check_model_shape(saved_args: dict, config, where: str) -> None:
 
 
 def checkpoint_model_args(root: str) -> dict | None:
-    """The model shape (``layout.json``'s ``model``) of the checkpoint ``root``'s tracker
-    names, for ``--use-checkpoint-args``; None when there is no checkpoint or no layout file."""
+    """The model shape (``layout.json``'s ``model``, or a Megatron checkpoint's architecture
+    from its args) of the checkpoint ``root``'s tracker names, for ``--use-checkpoint-args``;
+    None when there is no checkpoint or no layout file."""
     it = read_tracker(root)
     if it is None:
         return None
+    if is_megatron_checkpoint(root, it):
+        return dict(MegatronReader(root, it).model_args)
     saved = read_layout_file(root, it)
-    return None if saved is None else dict(saved["model"])
+    return None if saved is None else {**ARCH_DEFAULTS, **saved["model"]}
+
+
+def open_reader(root: str, iteration, config) -> CheckpointReader | MegatronReader:
+    """The reader of checkpoint ``root``/``iteration``: megazero's, or Megatron-LM's (the
+    true vocabulary, which Megatron stores padded, is the model's)."""
+    if is_megatron_checkpoint(root, iteration):
+        return MegatronReader(root, iteration, vocab_size=config.model.vocab_size)
+    return CheckpointReader(root, iteration, verify=config.train.verify_checkpoint)
 
 
 def same_layout(a: dict, b: dict) -> bool:
@@ -95,11 +115,14 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
     if iteration is None:
         iteration = read_tracker(root)
     if iteration is None:
+        if config.train.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--exit-on-missing-checkpoint: there is no checkpoint to "
+                                  f"load at --load {root} ({tracker_path(root)} is missing)")
         if ps.rank == 0:
             logger.warning("WARNING: could not find the metadata file %s", tracker_path(root))
             logger.warning("    will not load any checkpoints and will start from random")
         return LoadedCheckpoint()
-    reader = CheckpointReader(root, iteration, verify=config.train.verify_checkpoint)
+    reader = open_reader(root, iteration, config)
     tcfg = config.train
     finetune = tcfg.finetune or iteration == "release"
     load_optim = not (finetune or tcfg.no_load_optim) and optimizer is not None
@@ -126,14 +149,19 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
                 fragment_reader=lambda n, a, b: {"model": region(n, "model", a, b)})
         else:
             optimizer.reload_model_params()
-    first = reader.model_file(0, 0)
+    first = reader.training_state()
     if not (finetune or tcfg.no_load_rng):
         _load_rng(reader, config, ps, tracker, first)
     start = 0 if finetune else int(first["iteration"])
     consumed = 0 if finetune else int(first.get("consumed_train_samples", 0))
     current = layout_of(ps, config.optimizer.zero_stage, config.model.make_vocab_size_divisible_by)
     if ps.rank == 0:
-        if same_layout(reader.layout, current):
+        if isinstance(reader, MegatronReader):
+            logger.info("loaded %s %s (iteration %s, %s optimizer state) into tp=%d pp=%d "
+                        "dp=%d zero=%d", reader.description, root, start,
+                        "with" if load_optim else "without", ps.tp_size, ps.pp_size,
+                        ps.dp_size, config.optimizer.zero_stage)
+        elif same_layout(reader.layout, current):
             logger.info("successfully loaded checkpoint from %s at iteration %s", root, start)
         else:
             saved = reader.layout
@@ -178,8 +206,10 @@ def verify_together(reader: CheckpointReader, ps: ParallelState, shards: bool = 
 def _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3: bool) -> None:
     opt_meta = reader.optimizer_meta()
     if opt_meta is None:
-        raise CheckpointError(f"checkpoint {reader.base} holds no optimizer state "
-                              "(saved with --no-save-optim); use --no-load-optim")
+        raise CheckpointError(f"checkpoint {reader.base} holds no optimizer state megazero "
+                              f"can load ({reader.no_optimizer_reason()}); load the model "
+                              "alone with --no-load-optim (the iteration and consumed samples "
+                              "carry over, the optimizer starts fresh) or --finetune")
     names = tuple(optimizer.rule.state_names)
     missing = [k for k in names if k not in opt_meta["state_names"]]
     if missing:
@@ -190,7 +220,7 @@ def _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3: bool
     state = {"step": opt_meta["step"], "scaler": opt_meta["scaler"], "fragments": {}}
     optimizer.load_sharded_state_dict(
         state, fragment_reader=lambda n, a, b: {k: region(n, k, a, b) for k in kinds})
-    sched = reader.model_file(0, 0).get("opt_param_scheduler")
+    sched = reader.training_state().get("opt_param_scheduler")
     if lr_scheduler is not None and sched is not None:
         lr_scheduler.load_state_dict(sched)
 
@@ -203,6 +233,9 @@ def _load_buffers(reader, model_chunks, ps) -> None:
               for chunk, names in zip(model_chunks, params)]
     if not any(wanted):
         return
+    if isinstance(reader, MegatronReader):
+        raise CheckpointError(f"the model has buffers {wanted[0][:5]}, which a Megatron "
+                              f"checkpoint ({reader.base}) does not hold")
     if reader.pp != ps.pp_size:
         raise CheckpointError(f"checkpoint {reader.base}: the model has buffers, which load "
                               f"only at the saved pipeline size ({reader.pp})")
@@ -230,4 +263,4 @@ def _load_rng(reader, config, ps, tracker, first) -> None:
 
 
 __all__ = ["LoadedCheckpoint", "checkpoint_model_args", "check_model_shape", "load_checkpoint",
-           "same_layout", "verify_together"]
+           "open_reader", "same_layout", "verify_together"]

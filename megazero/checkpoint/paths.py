@@ -26,9 +26,12 @@ the place it was read from. The tracker and ``layout.json`` are parsed defensive
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
+import zipfile
 import zlib
 
 import torch
@@ -257,18 +260,95 @@ def verify_file(path: str, expected: dict | None = None, checksum: bool = True) 
 
 def load_file(path: str, mmap: bool = False) -> dict:
     """``torch.load(weights_only=True)`` on CPU (memory-mapped with ``mmap``), with errors
-    that name the file (no checksum: ``verify_file`` first)."""
+    that name the file (no checksum: ``verify_file`` first). A file that pickles classes
+    (a Megatron-LM file's args, anything foreign) is no megazero file, and says so."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - corrupt, truncated or unsafe content
+        classes = unsafe_globals(path)
+        if "argparse.Namespace" in classes:
+            raise CheckpointError(f"checkpoint file {path} is a Megatron-LM file (it pickles "
+                                  "an argparse.Namespace of args), not a megazero one: "
+                                  "--load reads Megatron checkpoints directly, or convert "
+                                  "them with python -m megazero.tools.checkpoint "
+                                  "from-megatron") from None
+        if classes:
+            raise CheckpointError(foreign_file_error(path)) from None
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated "
                               f"({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not a "
-                              "checkpoint's dict")
+        raise CheckpointError(foreign_file_error(path, state))
     return state
+
+
+# ---- files that are not megazero's ---------------------------------------------------------
+def unsafe_globals(path: str) -> list[str]:
+    """The classes and functions a torch file pickles that ``weights_only`` loading refuses,
+    read from its pickle opcodes without unpickling anything ([] when it cannot tell)."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 - not a torch zip file, unreadable
+        return []
+
+
+class _Inert:
+    """What ``_PeekUnpickler`` builds for every class a pickle names: it records nothing and
+    runs no code, so a foreign file can be looked at safely."""
+
+    def __init__(self, *args, **kwargs):
+        self.keys = []
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):  # an OrderedDict's items: only the keys are kept
+        self.keys.append(key)
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+class _PeekUnpickler(pickle.Unpickler):
+    """Reads a pickle's structure: every global is an ``_Inert`` subclass (nothing is
+    imported), every tensor storage None."""
+
+    def find_class(self, module, name):
+        return type(name, (_Inert,), {})
+
+    def persistent_load(self, pid):
+        return None
+
+
+def top_level_keys(path: str) -> list[str] | None:
+    """The keys of the dict a torch file holds, read without importing or running anything it
+    names; None when it is no torch zip file holding a dict."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            obj = _PeekUnpickler(io.BytesIO(z.read(name))).load()
+    except Exception:  # noqa: BLE001 - not a zip, no pickle, malformed
+        return None
+    if isinstance(obj, _Inert) and obj.keys:
+        obj = dict.fromkeys(obj.keys)
+    return [str(k) for k in obj] if isinstance(obj, dict) else None
+
+
+def foreign_file_error(path: str, state=None) -> str:
+    """The message for a file that is neither megazero's nor Megatron's: its top-level keys
+    (and the classes it pickles, which megazero does not load)."""
+    keys = list(state) if isinstance(state, dict) else top_level_keys(path)
+    what = f"top-level keys {[str(k) for k in keys][:12]}" if keys is not None else \
+        (f"a pickled {type(state).__name__}" if state is not None else
+         "no dict of a torch file")
+    classes = unsafe_globals(path)
+    more = f"; it pickles classes megazero does not load: {', '.join(classes[:8])}" \
+        if classes else ""
+    return f"{path}: this file is not a megazero/Megatron checkpoint: {what}{more}"
 
 
 def read_tracker(root: str, check_folder: bool = True) -> int | str | None:
@@ -313,11 +393,19 @@ def _layout_problem(data) -> str | None:
     virtual = layout.get("virtual")
     if virtual is not None and not (isinstance(virtual, int) and virtual >= 1):
         return f"layout.virtual null or a positive integer, got {virtual!r}"
+    # shape entries: non-negative integers (None: unknown, the engine's models have no vocab);
+    # architecture entries (position_embedding_type, swiglu, rotary_percent, ...): scalars
     if not isinstance(model, dict) or not all(
             v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-            for v in model.values()):  # None: unknown (the engine's models have no vocab)
-        return f"a 'model' object of non-negative integers (or null), got {model!r}"
+            if k in _SHAPE_ENTRIES else v is None or isinstance(v, (str, bool, int, float))
+            for k, v in model.items()):
+        return f"a 'model' object of non-negative integer shapes and scalar architecture " \
+               f"settings, got {model!r}"
     return None
+
+
+_SHAPE_ENTRIES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                  "max_position_embeddings", "vocab_size")
 
 
 def read_layout_file(root: str, iteration: int | str) -> dict | None:

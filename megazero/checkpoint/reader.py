@@ -35,6 +35,7 @@ from megazero.checkpoint.paths import (
     check_coords,
     checksum_path,
     file_coords,
+    foreign_file_error,
     iteration_dir,
     load_file,
     read_layout_file,
@@ -49,6 +50,17 @@ from megazero.tensor_parallel.meta import ShardInfo
 logger = logging.getLogger(__name__)
 
 _LAYOUT_KEYS = ("tp", "pp", "dp", "virtual", "zero_stage")
+
+
+def not_megazero(path: str, state: dict) -> str:
+    """Why a model file without megazero's layout cannot be read here."""
+    megatron = any(isinstance(state.get(k), dict) for k in ("model", "model0")) and (
+        "checkpoint_version" in state or "args" in state)
+    if megatron:
+        return (f"checkpoint file {path} is a Megatron-LM file, not a megazero one: --load "
+                "reads Megatron checkpoints directly, or convert them with python -m "
+                "megazero.tools.checkpoint from-megatron")
+    return foreign_file_error(path, state)
 
 
 class CheckpointReader:
@@ -88,8 +100,7 @@ class CheckpointReader:
             self._first = self._open(path, self._coords("model", 0, 0))
             self.layout = self._first.get("layout")
             if not isinstance(self.layout, dict):
-                raise CheckpointError(f"checkpoint file {path} has no layout: not a megazero "
-                                      "model file")
+                raise CheckpointError(not_megazero(path, self._first))
         self.tp, self.pp, self.dp = self.layout["tp"], self.layout["pp"], self.layout["dp"]
         self.stage = self.layout["zero_stage"]
         if self._first is not None:
@@ -106,6 +117,10 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint file {self._path(0, 0)} holds no saved config "
                                   "(args): not a megazero model file")
         return args
+
+    def training_state(self) -> dict:
+        """Iteration, consumed samples, scheduler and RNG states (the first model file's)."""
+        return self.model_file(0, 0)
 
     def cell_dir(self, tp_rank: int, pp_rank: int) -> str:
         return cell_dir(self.root, self.iteration, tp_rank, pp_rank, self.pp)
@@ -245,6 +260,9 @@ class CheckpointReader:
 
     def has_optimizer(self) -> bool:
         return self.optimizer_meta() is not None
+
+    def no_optimizer_reason(self) -> str:
+        return "" if self.has_optimizer() else "saved with --no-save-optim"
 
     # ---- values ----------------------------------------------------------------------------
     def _fragments(self, name: str, tp_rank: int, pp_rank: int) -> list[dict]:

@@ -48,6 +48,13 @@ logger = logging.getLogger(__name__)
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "max_position_embeddings", "vocab_size")
+# The architecture family; a checkpoint written before these existed is GPT-2's (the values
+# here), so it reads as that and a resume with Llama flags is refused as a different model.
+ARCH_DEFAULTS = {"position_embedding_type": "learned_absolute", "rotary_base": 10000,
+                 "rotary_percent": 1.0, "normalization": "LayerNorm", "swiglu": False,
+                 "group_query_attention": False,
+                 "num_query_groups": None, "untie_embeddings_and_output_weights": False,
+                 "add_bias_linear": True}
 
 
 def param_meta(model_chunks) -> dict:
@@ -60,8 +67,9 @@ def param_meta(model_chunks) -> dict:
 
 
 def model_shape(config) -> dict:
+    """The model's shape and architecture family, as ``layout.json`` stores them."""
     m = config.model
-    return {k: getattr(m, k) for k in SHAPE_KEYS}
+    return {k: getattr(m, k) for k in (*SHAPE_KEYS, *ARCH_DEFAULTS)}
 
 
 def layout_of(ps: ParallelState, zero_stage: int, vocab_divisible_by: int | None = None) -> dict:

@@ -2,7 +2,9 @@
 
 Each function takes a ``fused`` flag (from ``--no-bias-gelu-fusion`` and friends). With it, the
 compiled op from ``megazero.ops`` runs when built and its PyTorch reference otherwise; without
-it, the plain eager composition runs. All are local (no communication).
+it, the plain eager composition runs. All are local (no communication). The norms
+(``LayerNorm``, ``RMSNorm``, chosen by ``make_norm`` from ``--normalization``) are replicated
+over tp.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.
     if bias is not None:
         x = x + bias
     return F.gelu(x, approximate="tanh")
+
+
+def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    """swiglu(x + bias): [s, b, 2f/tp] -> [s, b, f/tp] (gate and up interleaved)."""
+    if fused:
+        return ops.fused_bias_swiglu(x, bias)
+    return ops.swiglu_reference(x if bias is None else x + bias)
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
@@ -68,3 +77,31 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self):
         return f"{self.hidden}, eps={self.eps}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (a weight, no bias), replicated across tp; with sequence
+    parallelism its gradient is partial, as LayerNorm's."""
+
+    def __init__(self, hidden: int, eps: float = 1e-5, *, sequence_parallel: bool = False,
+                 fused: bool = True, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.hidden, self.eps, self.fused = hidden, eps, fused
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=params_dtype, device=device))
+        set_meta(self.weight, ParamMeta.replicated((hidden,), init=init_ones(),
+                                                   sequence_parallel=sequence_parallel))
+
+    def forward(self, x):
+        if self.fused:
+            return ops.fused_rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm_reference(x, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.hidden}, eps={self.eps}"
+
+
+def make_norm(config, sequence_parallel: bool, device=None) -> nn.Module:
+    """The configured norm (``--normalization``) over ``hidden_size``."""
+    cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    return cls(config.hidden_size, config.layernorm_epsilon, sequence_parallel=sequence_parallel,
+               fused=config.fused_layernorm, params_dtype=config.torch_dtype, device=device)

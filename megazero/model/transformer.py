@@ -1,10 +1,17 @@
-"""GPT-2 transformer layer built from tensor-parallel layers, sharded over the tp group.
+"""Transformer layer (GPT-2 or the Llama family) built from tensor-parallel layers, sharded
+over the tp group.
 
-Per layer (pre-LayerNorm, as GPT-2)::
+Per layer (pre-normalization, as GPT-2 and Llama)::
 
-    x -> LN -> qkv (column-parallel, heads split over tp) -> causal attention on this rank's
-      heads -> proj (row-parallel, all-reduce or reduce-scatter) -> +bias, dropout, +x
-      -> LN -> fc1 (column-parallel) -> bias+GELU -> fc2 (row-parallel) -> +bias, dropout, +x
+    x -> norm -> qkv (column-parallel, heads split over tp) -> [RoPE on q, k] -> causal
+      attention on this rank's heads -> proj (row-parallel, all-reduce or reduce-scatter)
+      -> +bias, dropout, +x
+      -> norm -> fc1 (column-parallel) -> bias+GELU or SwiGLU -> fc2 (row-parallel)
+      -> +bias, dropout, +x
+
+The norm is LayerNorm or RMSNorm (``--normalization``); grouped-query attention
+(``--num-query-groups``) shares each key/value head among the query heads of its group; with
+``--disable-bias-linear`` the linear layers have no bias.
 
 Tensors are ``[s, b, h]``; with sequence parallelism the LayerNorm/dropout regions hold
 ``[s/tp, b, h]`` and the column-parallel layers all-gather the sequence first, the row-parallel
@@ -20,12 +27,19 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megazero.config import ModelConfig
 from megazero.distributed import comm
-from megazero.model.fused import LayerNorm, bias_dropout_add, bias_gelu
+from megazero.model.fused import bias_dropout_add, bias_gelu, bias_swiglu, make_norm
 from megazero.model.kv_cache import KVCache
-from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_normal
+from megazero.model.rotary import apply_rotary
+from megazero.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    checkpoint,
+    init_normal,
+)
 from megazero.tensor_parallel.random import RNGStatesTracker
 
 
@@ -35,94 +49,173 @@ def output_init_std(config: ModelConfig) -> float:
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention; this rank computes ``heads / tp`` heads."""
+    """Causal self-attention; this rank computes ``heads / tp`` query heads and
+    ``kv_heads / tp`` key/value heads (equal without grouped-query attention)."""
 
     def __init__(self, config: ModelConfig, tp_group, tracker: RNGStatesTracker | None, *,
                  sequence_parallel: bool, device=None):
         super().__init__()
         tp = comm.group_size(tp_group)
         self.heads_per_rank = config.num_attention_heads // tp
+        self.groups_per_rank = config.kv_heads // tp
+        self.q_per_group = config.num_attention_heads // config.kv_heads
         self.head_dim = config.head_dim
         self.dropout_p = config.attention_dropout
         self.tracker = tracker
         dtype = config.torch_dtype
-        # qkv weight rows are ordered [head, (q, k, v), head_dim] (Megatron's layout), so a
-        # contiguous shard of rows holds whole heads.
+        # qkv weight rows are ordered [group, (q_1 .. q_{heads/groups}, k, v), head_dim]
+        # (Megatron's layout; [head, (q, k, v), head_dim] without GQA), so a contiguous shard
+        # of rows holds whole key/value groups with their query heads.
+        qkv_size = (config.num_attention_heads + 2 * config.kv_heads) * config.head_dim
         self.qkv = ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, tp_group=tp_group, gather_output=False,
-            sequence_parallel=sequence_parallel, init_method=init_normal(config.init_method_std),
-            params_dtype=dtype, device=device)
+            config.hidden_size, qkv_size, tp_group=tp_group, gather_output=False,
+            bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+            init_method=init_normal(config.init_method_std), params_dtype=dtype, device=device)
         self.proj = RowParallelLinear(
             config.hidden_size, config.hidden_size, tp_group=tp_group, input_is_parallel=True,
-            skip_bias_add=True, sequence_parallel=sequence_parallel,
+            bias=config.add_bias_linear, skip_bias_add=True, sequence_parallel=sequence_parallel,
             init_method=init_normal(output_init_std(config)), params_dtype=dtype, device=device)
+        self.fused_rope = config.apply_rope_fusion
+        self.backend = config.attention_backend
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        self.selective_recompute = config.recompute_granularity == "selective"
 
-    def forward(self, x, attention_mask=None, kv_cache: KVCache | None = None):
-        mixed, _ = self.qkv(x)  # [s, b, 3 * np * hn]
+    def _split(self, mixed, rotary):
+        """q ``[b, np, s, hn]``, k and v ``[b, ng, s, hn]`` (np, ng: this rank's query and
+        key/value heads) from the qkv output ``[s, b, (np + 2 ng) hn]``."""
         s, b = mixed.shape[0], mixed.shape[1]
-        mixed = mixed.view(s, b, self.heads_per_rank, 3, self.head_dim)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in mixed.unbind(dim=3))  # [b, np, s, hn]
+        g = self.q_per_group
+        mixed = mixed.view(s, b, self.groups_per_rank, g + 2, self.head_dim)
+        if g == 1:  # one query head per group (no GQA): views, as GPT-2 always did
+            q, k, v = mixed.unbind(dim=3)  # [s, b, np, hn]
+        else:
+            q = mixed[:, :, :, :g].reshape(s, b, self.heads_per_rank, self.head_dim)
+            k, v = mixed[:, :, :, g], mixed[:, :, :, g + 1]  # [s, b, ng, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
+        if rotary is not None:
+            q = apply_rotary(q, *rotary, fused=self.fused_rope)
+            k = apply_rotary(k, *rotary, fused=self.fused_rope)
+        return q, k, v
+
+    def _expand(self, t):
+        """Key/value heads ``[b, ng, L, hn]`` repeated for their query heads: ``[b, np, L, hn]``
+        (query head i reads group i // (np / ng), as Megatron's grouping)."""
+        if self.q_per_group == 1:
+            return t
+        return t.repeat_interleave(self.q_per_group, dim=1)
+
+    def _core(self, q, k, v, keep=None, dropout_p: float = 0.0):
+        """Attention of q ``[b, np, s, hn]`` over k, v ``[b, np, L, hn]``: causal when ``keep``
+        is None, else where ``keep`` (bool ``[.., s, L]``, True = attend) allows; by the
+        configured backend (``--attention-backend``)."""
+        if self.backend in ("unfused", "local"):
+            dtype = q.dtype
+            if self.softmax_in_fp32:
+                q, k, v = q.float(), k.float(), v.float()
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [b, np, s, L]
+            if keep is None:
+                s, L = scores.shape[-2], scores.shape[-1]
+                keep = torch.ones(s, L, dtype=torch.bool, device=q.device).tril(L - s)
+            probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+            probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
+            return (probs @ v).to(dtype)  # [b, np, s, hn]
+        kernel = _sdpa_kernels(self.backend, q.device.type)
+        with sdpa_kernel(kernel) if kernel else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
+                                                  is_causal=keep is None)
+
+    def forward(self, x, attention_mask=None, kv_cache: KVCache | None = None, rotary=None):
+        mixed, _ = self.qkv(x)  # [s, b, (np + 2 ng) * hn]
+        s, b = mixed.shape[0], mixed.shape[1]
+        q, k, v = self._split(mixed, rotary)
         if kv_cache is not None and kv_cache.offset > 0:
             if attention_mask is not None:
                 raise ValueError("a KV cache is for causal decoding without attention masks")
             past = kv_cache.offset
-            k, v = kv_cache.extend(self, k, v)  # [b, np, past + s, hn]
+            k, v = kv_cache.extend(self, k, v)  # [b, ng, past + s, hn]
             # new position i (absolute past + i) sees keys 0..past + i
             keep = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(past)
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # [b, np, s, hn]
+            ctx = self._core(q, self._expand(k), self._expand(v), keep)  # [b, np, s, hn]
             ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
             return self.proj(ctx)
         if kv_cache is not None:
             kv_cache.extend(self, k, v)  # the prompt: plain causal attention below
+        k, v = self._expand(k), self._expand(v)
         p = self.dropout_p if self.training else 0.0
-        fork = self.tracker.fork() if (self.tracker is not None and p > 0) \
-            else contextlib.nullcontext()
-        with fork:  # attention dropout differs across tp ranks (different heads)
-            if attention_mask is None:
-                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            else:  # attention_mask: [b, 1, s, s], True = masked out (Megatron convention)
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
-                                                     dropout_p=p)
+        # attention_mask: [b, 1, s, s], True = masked out (Megatron convention)
+        keep = None if attention_mask is None else ~attention_mask
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            # Megatron's selective recompute: keep q, k, v; recompute scores, softmax,
+            # dropout (same random draws: the tracker's states are replayed) in backward
+            ctx = checkpoint(lambda q_, k_, v_: self._dropout_core(q_, k_, v_, keep, p),
+                             q, k, v, tracker=self.tracker)
+        else:
+            ctx = self._dropout_core(q, k, v, keep, p)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.proj(ctx)  # ([s, b, h] or [s/tp, b, h], bias)
 
+    def _dropout_core(self, q, k, v, keep, p):
+        """The attention core with dropout drawn from the model-parallel stream (different
+        heads on each tp rank)."""
+        fork = self.tracker.fork() if (self.tracker is not None and p > 0) \
+            else contextlib.nullcontext()
+        with fork:
+            return self._core(q, k, v, keep, p)
+
+
+def _sdpa_kernels(backend: str, device_type: str):
+    """scaled_dot_product_attention's allowed kernels for ``--attention-backend`` (None:
+    torch chooses). "fused" is cuDNN's or the memory-efficient kernel on a GPU; the CPU's only
+    fused kernel is its flash attention."""
+    if backend == "flash":
+        return [SDPBackend.FLASH_ATTENTION]
+    if backend == "fused":
+        return [SDPBackend.FLASH_ATTENTION] if device_type == "cpu" else \
+            [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return None
+
 
 class ParallelMLP(nn.Module):
-    """h -> ffn/tp (column-parallel) -> bias+GELU -> h (row-parallel)."""
+    """h -> ffn/tp (column-parallel) -> bias+GELU -> h (row-parallel); with SwiGLU, fc1 makes
+    2 ffn/tp (gate and up, rows interleaved ``[ffn, (gate, up)]`` so that a contiguous shard
+    holds whole pairs) and silu(gate) * up goes to fc2."""
 
     def __init__(self, config: ModelConfig, tp_group, *, sequence_parallel: bool, device=None):
         super().__init__()
         dtype = config.torch_dtype
+        self.swiglu = config.swiglu
         self.fused_bias_gelu = config.bias_gelu_fusion
+        self.fused_swiglu = config.bias_swiglu_fusion
+        fc1_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.fc1 = ColumnParallelLinear(
-            config.hidden_size, config.ffn_hidden_size, tp_group=tp_group, gather_output=False,
-            skip_bias_add=True, sequence_parallel=sequence_parallel,
+            config.hidden_size, fc1_out, tp_group=tp_group, gather_output=False,
+            bias=config.add_bias_linear, skip_bias_add=True, sequence_parallel=sequence_parallel,
             init_method=init_normal(config.init_method_std), params_dtype=dtype, device=device)
         self.fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, tp_group=tp_group,
-            input_is_parallel=True, skip_bias_add=True, sequence_parallel=sequence_parallel,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            sequence_parallel=sequence_parallel,
             init_method=init_normal(output_init_std(config)), params_dtype=dtype, device=device)
 
     def forward(self, x):
-        h, bias = self.fc1(x)  # [s, b, ffn/tp]
-        h = bias_gelu(h, bias, self.fused_bias_gelu)
+        h, bias = self.fc1(x)  # [s, b, ffn/tp] (SwiGLU: [s, b, 2 ffn/tp])
+        if self.swiglu:
+            h = bias_swiglu(h, bias, self.fused_swiglu)  # [s, b, ffn/tp]
+        else:
+            h = bias_gelu(h, bias, self.fused_bias_gelu)
         return self.fc2(h)  # ([s, b, h], bias)
 
 
 class TransformerLayer(nn.Module):
-    """One pre-LayerNorm GPT-2 block."""
+    """One pre-normalization block (GPT-2 or Llama-style)."""
 
     def __init__(self, config: ModelConfig, tp_group, tracker: RNGStatesTracker | None, *,
                  sequence_parallel: bool = False, device=None):
         super().__init__()
-        dtype = config.torch_dtype
-        ln = dict(sequence_parallel=sequence_parallel, fused=config.fused_layernorm,
-                  params_dtype=dtype, device=device)
-        self.input_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, **ln)
+        self.input_layernorm = make_norm(config, sequence_parallel, device)
         self.attention = ParallelAttention(config, tp_group, tracker,
                                            sequence_parallel=sequence_parallel, device=device)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon,
-                                                  **ln)
+        self.post_attention_layernorm = make_norm(config, sequence_parallel, device)
         self.mlp = ParallelMLP(config, tp_group, sequence_parallel=sequence_parallel,
                                device=device)
         self.hidden_dropout = config.hidden_dropout
@@ -137,10 +230,11 @@ class TransformerLayer(nn.Module):
             return self.tracker.fork()
         return contextlib.nullcontext()
 
-    def forward(self, x, attention_mask=None, kv_cache: KVCache | None = None):
+    def forward(self, x, attention_mask=None, kv_cache: KVCache | None = None, rotary=None):
+        """``rotary``: RoPE's (cos, sin) ``[b, 1, s, rot]`` (None without RoPE)."""
         p, training = self.hidden_dropout, self.training
         attn_out, attn_bias = self.attention(self.input_layernorm(x), attention_mask,
-                                             kv_cache=kv_cache)
+                                             kv_cache=kv_cache, rotary=rotary)
         with self._dropout_region():
             x = bias_dropout_add(attn_out, attn_bias, x, p, training, self.fused_bda)
         mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(x))

@@ -5,6 +5,8 @@
     python -m megazero.tools.checkpoint to-hf CKPT OUT [--dtype float32] [--format bin]
     python -m megazero.tools.checkpoint from-hf DIR OUT [--tp N --pp M]
     python -m megazero.tools.checkpoint to-fp32 CKPT OUT [--iteration I]
+    python -m megazero.tools.checkpoint to-megatron CKPT OUT --tp N --pp M [--format mcore]
+    python -m megazero.tools.checkpoint from-megatron MEGATRON_DIR OUT [--tp N --pp M]
 
 ``CKPT`` is a ``--save`` folder (with ``latest_checkpointed_iteration.txt``) saved at any
 tp/pp/dp/ZeRO layout; it is read through ``CheckpointReader`` (memory-mapped, tensor by tensor).
@@ -23,6 +25,8 @@ tp/pp/dp/ZeRO layout; it is read through ``CheckpointReader`` (memory-mapped, te
   ``merges.txt``, or ``tokenizer.model``) from ``--vocab-file``/``--merge-file`` or
   ``--tokenizer-model``, else from files inside the checkpoint folder.
 * ``to-fp32``: one consolidated fp32 state dict (``zero_to_fp32``).
+* ``to-megatron`` / ``from-megatron``, and ``inspect`` (alias ``describe``) of a Megatron-LM
+  folder: Megatron's torch format at any tp/pp (``tools.megatron``).
 
 A checkpoint's stored args are untrusted input: no tool opens or copies a path taken from them
 (``vocab_file``, ``merge_file``, ``tokenizer_model``, ``data_path``, ``load``, ``save``,
@@ -46,6 +50,7 @@ import torch
 from megazero.checkpoint.paths import CheckpointError, iteration_dir
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.rng import get_rng_state, rederive_rng
+from megazero.checkpoint.save import ARCH_DEFAULTS
 from megazero.config import (
     ConfigError,
     DataConfig,
@@ -57,6 +62,8 @@ from megazero.tensor_parallel.layers import padded_vocab_size
 from megazero.tensor_parallel.random import RNGStatesTracker
 from megazero.tokenizer import TokenizerError, build_tokenizer
 from megazero.tools import hf
+from megazero.tools import megatron as megatron_tool
+from megazero.tools.hf_llama import check_hf_exportable, export_hf, import_hf, model_flags
 from megazero.tools.offline import offline_parallel_state, target_config, write_checkpoint
 from megazero.tools.zero_to_fp32 import main as zero_to_fp32
 
@@ -213,6 +220,7 @@ def describe(reader: CheckpointReader) -> dict:
                 "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                 "seq_length", "max_position_embeddings", "vocab_size",
                 "make_vocab_size_divisible_by", "params_dtype")},
+            "architecture": _architecture(model),
             "padded_vocab_size": padded_vocab_size(model["vocab_size"],
                                                    model["make_vocab_size_divisible_by"],
                                                    lay["tp"]),
@@ -224,6 +232,11 @@ def describe(reader: CheckpointReader) -> dict:
                 "mock_data")},
             "tensors": tensors, "total_parameters": total, "model_bytes": total * elem,
             "files": len(files), "bytes_on_disk": sum(os.path.getsize(f) for f in files)}
+
+
+def _architecture(model: dict) -> dict:
+    """The architecture-family settings that differ from GPT-2's (empty for GPT-2)."""
+    return {k: model.get(k, v) for k, v in ARCH_DEFAULTS.items() if model.get(k, v) != v}
 
 
 def _optimizer_summary(reader):
@@ -249,7 +262,9 @@ def format_description(d: dict) -> str:
              f"ffn_hidden_size={m['ffn_hidden_size']} seq_length={m['seq_length']} "
              f"max_position_embeddings={m['max_position_embeddings']} "
              f"vocab_size={m['vocab_size']} (padded {d['padded_vocab_size']} at tp="
-             f"{lay['tp']}) params_dtype={m['params_dtype']}"]
+             f"{lay['tp']}) params_dtype={m['params_dtype']}",
+             "architecture: " + (" ".join(f"{k}={v}" for k, v in d["architecture"].items())
+                                 or "GPT-2")]
     sched = d["scheduler"] or {}
     opt = d["optimizer"]
     lines.append(f"training: consumed samples {d['consumed_train_samples']}, lr schedule at "
@@ -278,6 +293,8 @@ def format_description(d: dict) -> str:
 
 
 def cmd_inspect(a) -> int:
+    if megatron_tool.describe_if_megatron(a, lambda d: json.dumps(d, indent=1, default=str)):
+        return 0
     d = describe(CheckpointReader(a.checkpoint, _iteration(a.iteration)))
     print(json.dumps(d, indent=1, default=str) if a.json else format_description(d))
     return 0
@@ -373,10 +390,10 @@ def cmd_to_hf(a) -> int:
     kind = "main" if reader.has_optimizer() else "model"
     dtype = getattr(torch, a.dtype)
     model, data = reader.args["model"], reader.args["data"]
+    check_hf_exportable(model)  # before anything is read or written
     tok_kind, tok_files, eod = _export_tokenizer(a, reader.root, data, model)
     full = {n: reader.full_tensor(n, kind).to(dtype) for n in reader.param_names()}
-    tensors = hf.megazero_to_hf(full, model["num_attention_heads"])
-    cfg = hf.hf_config(model, eos_token_id=eod, torch_dtype=a.dtype)
+    tensors, cfg = export_hf(full, model, eos_token_id=eod, torch_dtype=a.dtype)
     path = hf.save_hf(a.output, tensors, cfg, a.format)
     names = [copy_into(tok_files[field], a.output, name)
              for field, name, _ in TOKENIZER_FILES.get(tok_kind, ())]
@@ -387,8 +404,7 @@ def cmd_to_hf(a) -> int:
 
 def cmd_from_hf(a) -> int:
     cfg, sd = hf.load_hf(a.hf_dir)
-    model_args = hf.model_args_from_hf(cfg)
-    full = hf.hf_to_megazero(sd, model_args["num_attention_heads"])
+    model_args, full = import_hf(cfg, sd)
     n_layer = 1 + max(int(k.split(".")[1]) for k in full if k.startswith("layers."))
     if n_layer != model_args["num_layers"]:
         raise hf.HFFormatError(f"config.json says n_layer={model_args['num_layers']} but the "
@@ -396,10 +412,15 @@ def cmd_from_hf(a) -> int:
     if os.path.exists(iteration_dir(a.output, "release")) and not a.force:
         raise CheckpointError(f"{iteration_dir(a.output, 'release')} already exists; remove "
                               "it, pass --force or write elsewhere")
-    vocab, merges = (os.path.join(os.path.abspath(a.hf_dir), f)
-                     for f in ("vocab.json", "merges.txt"))
+    vocab, merges, spm = (os.path.join(os.path.abspath(a.hf_dir), f)
+                          for f in ("vocab.json", "merges.txt", "tokenizer.model"))
     data = DataConfig()
-    if os.path.isfile(vocab) and os.path.isfile(merges):  # into the checkpoint folder
+    if os.path.isfile(spm):  # Llama's SentencePiece model, into the checkpoint folder
+        os.makedirs(a.output, exist_ok=True)
+        data = DataConfig(tokenizer_type="SentencePieceTokenizer",
+                          tokenizer_model=os.path.abspath(copy_into(spm, a.output,
+                                                                    "tokenizer.model")))
+    elif os.path.isfile(vocab) and os.path.isfile(merges):  # into the checkpoint folder
         os.makedirs(a.output, exist_ok=True)
         data = DataConfig(tokenizer_type="GPT2BPETokenizer",
                           vocab_file=os.path.abspath(copy_into(vocab, a.output, "vocab.json")),
@@ -425,11 +446,7 @@ def cmd_from_hf(a) -> int:
     base = write_checkpoint(a.output, "release", config, full_tensor=tensor,
                             overwrite=a.force)
     print(f"wrote {base} (tp={a.tp} pp={a.pp}); load it with --load {a.output} (finetune "
-          f"semantics) and the model flags --num-layers {model_args['num_layers']} "
-          f"--hidden-size {model_args['hidden_size']} --num-attention-heads "
-          f"{model_args['num_attention_heads']} --ffn-hidden-size "
-          f"{model_args['ffn_hidden_size']} --max-position-embeddings "
-          f"{model_args['max_position_embeddings']}")
+          f"semantics) and the model flags {model_flags(model_args)}")
     return 0
 
 
@@ -450,9 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--iteration", default=None, type=iteration_arg,
                         help="iteration to read (default: the tracker's)")
 
-    s = sub.add_parser("inspect", help="layout, iteration, tensors and sizes")
+    s = sub.add_parser("inspect", aliases=["describe"],
+                       help="layout, iteration, tensors and sizes (megazero or Megatron-LM)")
     ckpt(s)
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="a Megatron checkpoint's true vocabulary (it stores it padded)")
     s.set_defaults(fn=cmd_inspect)
     s = sub.add_parser("convert", help="write the checkpoint for another layout (dp=1, ZeRO 0)")
     ckpt(s)
@@ -487,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("output", help="file to write")
     s.add_argument("--iteration", default=None, type=iteration_arg)
     s.set_defaults(fn=cmd_to_fp32)
+    megatron_tool.add_commands(sub, ckpt, positive_int, iteration_arg)
     return p
 
 

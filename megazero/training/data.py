@@ -31,7 +31,9 @@ def prepare_tokenizer(config, ps: ParallelState):
     """Build the tokenizer (the default corpus first when no data is given); sets
     ``config.model.vocab_size`` from it."""
     d = config.data
-    if d.mock_data:
+    if d.tokenizer_type == "NullTokenizer":  # Megatron's: ids < vocab_size, eod = vocab_size
+        tokenizer = NullTokenizer(d.vocab_size + 1)
+    elif d.mock_data:
         tokenizer = NullTokenizer(d.vocab_size)
     else:
         if not d.data_path and d.tokenizer_type is None:
@@ -123,7 +125,8 @@ def build_data_iterators(provider, config, ps, tokenizer, train_iters, consumed_
     t = config.train
     gbs = t.global_batch_size
     eval_samples = t.eval_iters * gbs
-    datasets = provider(config, tokenizer, (train_iters * gbs, eval_samples, eval_samples), ps)
+    train_samples = t.train_samples if t.rampup_batch_size is not None else train_iters * gbs
+    datasets = provider(config, tokenizer, (train_samples, eval_samples, eval_samples), ps)
     iterators = []
     for k, ds in enumerate(datasets):
         if ds is None:

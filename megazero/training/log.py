@@ -35,32 +35,43 @@ def is_log_rank(ps: ParallelState) -> bool:
     return ps.rank == ps.world_size - 1
 
 
-def flops_per_iteration(config: MegazeroConfig) -> float:
+def flops_per_iteration(config: MegazeroConfig, global_batch_size: int | None = None) -> float:
     """Megatron's GPT FLOPs per iteration (Narayanan et al., 2021): the transformer layers'
     24 f B s L h^2 (1 + s/6h), f = 3 passes (forward + backward), 4 with activation recompute,
     plus the output layer's 6 B s h V, which recompute does not repeat. With recompute this is
     their 96 B s L h^2 (1 + s/6h + V/16Lh); without, 72 B s L h^2 (1 + s/6h + V/12Lh)."""
     m, t = config.model, config.train
-    b, s, layers, h = t.global_batch_size, m.seq_length, m.num_layers, m.hidden_size
+    b = global_batch_size or t.global_batch_size  # the ramp-up's current batch when given
+    s, layers, h = m.seq_length, m.num_layers, m.hidden_size
     factor = 4 if m.recompute_activations else 3
     v = m.vocab_size or 0
     return 24 * factor * b * s * layers * h * h * (1 + s / (6 * h)) + 6 * b * s * h * v
 
 
+def throughput_tflops(config: MegazeroConfig, ps: ParallelState, elapsed: float,
+                      global_batch_size: int | None = None) -> float:
+    """Model TFLOP/s per rank at ``elapsed`` seconds per iteration (``flops_per_iteration``
+    over the world)."""
+    if not elapsed:
+        return 0.0
+    return flops_per_iteration(config, global_batch_size) / (elapsed * ps.world_size * 1e12)
+
+
 def training_log_line(config: MegazeroConfig, ps: ParallelState, *, iteration: int, iters: int,
                       consumed_samples: int, elapsed: float, lr: float, losses: dict,
                       loss_scale: float, grad_norm: float | None, skipped: int,
-                      nan: int) -> str:
+                      nan: int, global_batch_size: int | None = None) -> str:
     """`` iteration N/ M | consumed samples: ... | lm loss: X | ...`` (Megatron's, plus tokens
     per second and TFLOP/s per rank). ``elapsed``: seconds per iteration."""
     tcfg = config.train
-    tokens = tcfg.global_batch_size * config.model.seq_length
-    tflops = flops_per_iteration(config) / (elapsed * ps.world_size * 1e12) if elapsed else 0.0
+    gbs = global_batch_size or tcfg.global_batch_size  # the ramp-up's current batch
+    tokens = gbs * config.model.seq_length
+    tflops = throughput_tflops(config, ps, elapsed, gbs)
     line = f" iteration {iteration:8d}/{iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed * 1000.0:.1f} |"
     line += f" learning rate: {lr:.3E} |"
-    line += f" global batch size: {tcfg.global_batch_size:5d} |"
+    line += f" global batch size: {gbs:5d} |"
     for k, v in losses.items():
         line += f" {k}: {v:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
@@ -70,6 +81,8 @@ def training_log_line(config: MegazeroConfig, ps: ParallelState, *, iteration: i
     line += f" number of nan iterations: {nan:3d} |"
     line += f" tokens per second: {tokens / elapsed:.1f} |" if elapsed else ""
     line += f" TFLOP/s per rank: {tflops:.3f} |"
+    if tcfg.log_throughput:  # Megatron's wording, which its users' scripts grep for
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
     return line
 
 
@@ -156,4 +169,23 @@ def log_memory(optimizer, ps: ParallelState, resident_before_model: int | None =
         line += (f"; resident {total / 2**20:.1f} MB (allocator trimmed), of it anonymous "
                  f"{now / 2**20:.1f} MB, {gained / 2**20:.1f} MB more than before the model "
                  f"was built, {(gained - held) / 2**20:.1f} MB of it unaccounted")
+    line += "; " + allocator_peaks(ps)
     logging.getLogger("megazero.memory").warning(line)
+
+
+def allocator_peaks(ps: ParallelState) -> str:
+    """The allocator's peaks so far: CUDA's ``max_memory_allocated`` / ``max_memory_reserved``
+    on a GPU; on CPU, which has no tensor allocator statistics, the process's peak resident
+    set (``ru_maxrss``)."""
+    if ps.device.type == "cuda":
+        import torch
+
+        return (f"peak allocated {torch.cuda.max_memory_allocated(ps.device) / 2**20:.1f} MB, "
+                f"peak reserved {torch.cuda.max_memory_reserved(ps.device) / 2**20:.1f} MB")
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    except (ImportError, OSError):
+        return "peak resident unknown"
+    return f"peak resident {peak:.1f} MB"

@@ -44,8 +44,10 @@ from megazero.training.log import (
     logger,
     resident_bytes,
     setup_logging,
+    throughput_tflops,
     training_log_line,
 )
+from megazero.training.monitor import Monitor
 from megazero.training.signals import ExitSignalHandler
 from megazero.training.timers import Timers
 
@@ -55,7 +57,13 @@ def num_train_iters(config: MegazeroConfig) -> int:
     if t.train_iters is not None:
         return t.train_iters
     if t.train_samples is not None:
-        return t.train_samples // t.global_batch_size
+        if t.rampup_batch_size is None:
+            return t.train_samples // t.global_batch_size
+        iters = consumed = 0  # the ramp-up's iterations: count them
+        while consumed + config.global_batch_size_at(consumed) <= t.train_samples:
+            consumed += config.global_batch_size_at(consumed)
+            iters += 1
+        return iters
     raise ValueError("set --train-iters or --train-samples")
 
 
@@ -72,6 +80,7 @@ class TrainState:
     interval_skipped: int = 0
     interval_nan: int = 0
     last_grad_norm: float | None = None
+    last_global_batch_size: int | None = None
     memory_logged: bool = False
     consecutive_skipped: int = 0
     last_finite_loss: tuple | None = None  # (iteration, {name: value}) of the last good step
@@ -144,7 +153,9 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
     model = model_provider(config, ps, tracker)
     iters = num_train_iters(config)
     gbs = config.train.global_batch_size
-    lr_scheduler = build_lr_scheduler(config.optimizer, gbs, iters * gbs)
+    samples = config.train.train_samples if config.train.train_samples is not None \
+        else iters * gbs
+    lr_scheduler = build_lr_scheduler(config.optimizer, gbs, samples)
     optimizer = build_optimizer(model, config.optimizer, ps, lr_scheduler=lr_scheduler,
                                 seed=config.train.seed, unit_policy=zero3_unit_policy)
     trainer = Trainer(config, ps, tracker, model, optimizer, lr_scheduler, forward_step_func)
@@ -176,6 +187,7 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
             test_iter, "the end of training for test data")
     if tcfg.save and state.iteration > 0 and not trainer.saved_now():
         trainer.save()
+    trainer.monitor.close()
     return PretrainResult(trainer.history, state.iteration, state.consumed_train_samples,
                           state.skipped_iters, state.nan_iters, model, optimizer, ps)
 
@@ -222,6 +234,9 @@ class Trainer:
         self.state = TrainState()
         self.history: dict = {"lm loss": [], "iterations": [], "validation": []}
         self.tensorboard = None
+        if config.train.tensorboard_dir and is_log_rank(ps):
+            self.tensorboard = TensorBoard(config.train.tensorboard_dir)
+        self.monitor = Monitor(config, ps, self.tensorboard)
         self.resident_before_model: int | None = None  # --log-memory's baseline
 
     # ---- the loop ------------------------------------------------------------------------
@@ -233,6 +248,7 @@ class Trainer:
         trace = PipelineTrace(ps) if tcfg.pipeline_trace else None
         interval_start = time.time()
         handler = ExitSignalHandler(tcfg.exit_signal) if tcfg.exit_signal_handler else None
+        self.start_iteration = self.state.iteration
         try:
             self._loop(train_iter, valid_iter, iters, start, gbs, trace, interval_start,
                        handler)
@@ -248,16 +264,20 @@ class Trainer:
         while state.iteration < iters:
             if trace is not None:
                 trace.begin_iteration(state.iteration + 1)
+            self.monitor.iteration_start(state.iteration + 1)
+            gbs = self.config.global_batch_size_at(state.consumed_train_samples)  # ramp-up
             losses, ok, grad_norm = train_step(self.forward_step_func, train_iter, self.model,
                                                self.optimizer, self.config, ps, self.timers,
-                                               trace)
+                                               trace, self.config.microbatches_for(gbs))
             state.iteration += 1
             state.consumed_train_samples += gbs
+            state.last_global_batch_size = gbs
             if tcfg.log_memory and not state.memory_logged:
                 log_memory(self.optimizer, ps, self.resident_before_model)
                 state.memory_logged = True
             self.lr_scheduler.step(gbs)
             state.accumulate(losses, ok, grad_norm)
+            self.monitor.iteration_end(state.iteration)
             self.check_skipped()
             if tcfg.log_interval and state.iteration % tcfg.log_interval == 0:
                 self.log((time.time() - interval_start) / tcfg.log_interval, iters)
@@ -268,6 +288,7 @@ class Trainer:
                     and state.iteration % tcfg.eval_interval == 0 and state.iteration < iters):
                 self.history["validation"].append(
                     self.evaluate_and_print(valid_iter, f"iteration {state.iteration}"))
+                self.monitor.around_evaluation()
                 for chunk in self.model:
                     chunk.train()
             if self.should_exit(start) or (handler is not None and self.signalled(handler)):
@@ -339,12 +360,13 @@ class Trainer:
                 self.config, ps, iteration=state.iteration, iters=iters,
                 consumed_samples=state.consumed_train_samples, elapsed=elapsed,
                 lr=self.lr_scheduler.get_lr(), losses=avg, loss_scale=loss_scale,
+                global_batch_size=state.last_global_batch_size,
                 grad_norm=state.last_grad_norm, skipped=state.interval_skipped,
                 nan=state.interval_nan))
+            logger.info(self.monitor.progress(state.iteration, self.start_iteration, iters))
             if tcfg.log_timers:
                 logger.info(self.timers.log_string(normalizer=tcfg.log_interval))
-            if tcfg.tensorboard_dir:
-                self._tensorboard_scalars(avg, loss_scale)
+            self._scalars(avg, loss_scale, elapsed)
         else:
             self.timers.log_string(reset=True)
         for k, v in avg.items():
@@ -354,16 +376,20 @@ class Trainer:
         state.loss_sums, state.loss_iters = {}, 0
         state.interval_skipped = state.interval_nan = 0
 
-    def _tensorboard_scalars(self, avg: dict, loss_scale: float) -> None:
-        if self.tensorboard is None:
-            self.tensorboard = TensorBoard(self.config.train.tensorboard_dir)
+    def _scalars(self, avg: dict, loss_scale: float, elapsed: float) -> None:
+        """The interval's scalars to TensorBoard and wandb (logging rank)."""
         scalars = {**{f"train/{k}": v for k, v in avg.items()},
                    "train/learning-rate": self.lr_scheduler.get_lr(),
                    "train/loss-scale": loss_scale}
         grad_norm = self.state.last_grad_norm
         if grad_norm is not None and math.isfinite(grad_norm):
             scalars["train/grad-norm"] = grad_norm
-        self.tensorboard.add(scalars, self.state.iteration)
+        if self.config.train.log_throughput and elapsed:
+            scalars["train/throughput-tflops-per-gpu"] = throughput_tflops(
+                self.config, self.ps, elapsed, self.state.last_global_batch_size)
+        if self.tensorboard is not None:
+            self.tensorboard.add(scalars, self.state.iteration)
+        self.monitor.train_scalars(scalars, self.state.iteration)
 
     def evaluate_and_print(self, data_iterator, prefix: str) -> dict:
         if hasattr(data_iterator, "reset"):
@@ -372,18 +398,20 @@ class Trainer:
                           self.ps)
         if is_log_rank(self.ps):
             log_validation(prefix, totals)
+        self.monitor.validation(totals, self.state.iteration)
         return totals
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, config, ps, timers,
-               trace=None):
-    """One iteration: forward/backward over the micro-batches, grad sync, optimizer step."""
+               trace=None, num_microbatches: int | None = None):
+    """One iteration: forward/backward over the micro-batches (``num_microbatches``, default
+    the config's), grad sync, optimizer step."""
     fwd_bwd = get_forward_backward_func(ps.pp_size, ps.virtual_pp_size)
     optimizer.zero_grad()
     timers("forward-backward").start()
     losses = fwd_bwd(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                     model=model, num_microbatches=config.num_microbatches, ps=ps,
-                     loss_scale=optimizer.loss_scale, no_sync=optimizer.no_sync,
+                     model=model, num_microbatches=num_microbatches or config.num_microbatches,
+                     ps=ps, loss_scale=optimizer.loss_scale, no_sync=optimizer.no_sync,
                      tensor_shape=_tensor_shape(config, ps),
                      dtype=config.model.torch_dtype, trace=trace,
                      overlap_p2p_comm=config.parallel.overlap_p2p_comm)

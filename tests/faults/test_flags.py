@@ -22,9 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RANGE = re.compile(r"(>=|>|<=|<|in [\[(]|choose from|such as)")
 
 # Numeric flags that parse_args does not check, each for a reason: the dry-run flags are
-# checked by megazero.dryrun.DryRunOptions, the compatibility flag has no effect.
-UNCHECKED = {"--dry-run-rank", "--dry-run-world-size", "--dry-run-iters",
-             "--zero-allgather-bucket-size"}
+# checked by megazero.dryrun.DryRunOptions.
+UNCHECKED = {"--dry-run-rank", "--dry-run-world-size", "--dry-run-iters"}
 
 
 def _rejected(argv, capsys, world=1) -> str:
@@ -102,7 +101,8 @@ def test_every_numeric_flag_rejects_out_of_range_values(action, capsys):
     (one of its spellings), the value and a range."""
     values = ["-1"] if action.type is int else ["nan", "inf"]
     for value in values:
-        argv = [action.option_strings[0], value]
+        count = action.nargs if isinstance(action.nargs, int) else 1  # --rampup-batch-size: 3
+        argv = [action.option_strings[0]] + [value] * count
         if action.dest == "num_layers_per_virtual_pipeline_stage":
             argv += ["--pipeline-model-parallel-size", "2"]
         err = _rejected(argv, capsys, world=2).split(": error: ", 1)[1]  # not the usage
