@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 
 from megazero.arguments_compat import UNSUPPORTED_TOKENIZERS, add_compat_args, apply_compat
 from megazero.config import (
@@ -24,6 +25,7 @@ from megazero.config import (
     ParallelConfig,
     TrainConfig,
 )
+from megazero.config.deepspeed import parse_ds_config
 
 
 def field_default(cls, name: str):
@@ -177,7 +179,7 @@ def _add_optimizer_args(parser):
                "all-gather before each; on by default)")
     g.add("--cpu-offload", "--zero-offload-optimizer", field="cpu_offload",
           action="store_true")
-    g.add("--cpu-torch-adam", action="store_true",
+    g.add("--cpu-torch-adam", "--cpu_torch_adam", action="store_true",
           help="use torch.optim.AdamW even when megazero's CPU Adam is built")
     g.add("--no-fused-optimizer-step", field="use_fused_step", action="store_false",
           help="run the PyTorch reference of the fused optimizer step instead of the kernel")
@@ -272,6 +274,43 @@ def _add_training_args(parser):
         g.add(f"--{name}", action="store_true")
 
 
+def _add_deepspeed_args(parser):
+    g = parser.add_argument_group("DeepSpeed (Megatron-DeepSpeed's flags)")
+    g.add_argument("--deepspeed", action="store_true",
+                   help="take batch sizes, optimizer, ZeRO, precision, clipping, scheduler "
+                        "and logging from --deepspeed_config")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", default=None,
+                   help="a ds_config.json (strict: unknown or unsupported keys fail by name; "
+                        "a value that contradicts a flag given on the command line fails)")
+
+
+def apply_deepspeed_config(config: MegazeroConfig, ns, argv, parser) -> MegazeroConfig:
+    """``config`` with the ds_config's settings; a flag given on the command line must agree
+    with the ds_config's value for it."""
+    if ns.deepspeed and not ns.deepspeed_config:
+        raise ConfigError("--deepspeed needs --deepspeed_config ds_config.json")
+    if not ns.deepspeed_config:
+        return config
+    p = config.parallel
+    settings = parse_ds_config(ns.deepspeed_config, p.world_size, p.tensor_model_parallel_size,
+                               p.pipeline_model_parallel_size)
+    given = list(argv)
+    explicit = {}
+    for action in parser._actions:
+        if any(a == opt or a.startswith(opt + "=") for opt in action.option_strings
+               for a in given):
+            for path in settings.fields:
+                if path.split(".")[1] == action.dest:
+                    explicit[path] = action.option_strings[0]
+    config = settings.apply(config, explicit)
+    if settings.scheduler is not None:
+        kind, params = settings.scheduler
+        d = config.to_dict()
+        d["optimizer"].update(ds_scheduler=kind, ds_scheduler_params=params)
+        config = MegazeroConfig.from_dict(d)
+    return config
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="megazero GPT-2 pretraining",
                                      allow_abbrev=False)
@@ -281,6 +320,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_data_args(parser)
     _add_training_args(parser)
     add_compat_args(parser)
+    _add_deepspeed_args(parser)
     _add_dry_run_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -362,8 +402,9 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> Megazero
     A ``ConfigError`` is turned into an argparse error (exit code 2, message on stderr).
     """
     parser = build_parser(extra_args_provider)
+    argv = sys.argv[1:] if argv is None else list(argv)
     ns = parser.parse_args(argv)
     try:
-        return namespace_to_config(ns, world_size)
+        return apply_deepspeed_config(namespace_to_config(ns, world_size), ns, argv, parser)
     except ConfigError as exc:
         parser.error(str(exc))

@@ -13,25 +13,41 @@ training uses. Each rank feeds its own micro-batches; gradients are averaged ove
     engine.save_checkpoint("ckpt")
 
 Parameters without megazero metadata (``ParamMeta``) are treated as replicated over tp.
+
+Called DeepSpeed's way (``config=`` a ds_config dict or JSON path, or ``model_parameters=``),
+``initialize`` returns DeepSpeed's 4-tuple ``(engine, optimizer, dataloader, lr_scheduler)``,
+with the batch sizes, optimizer, ZeRO settings, precision, clipping and scheduler of the
+ds_config (``megazero.config.deepspeed``, strict: unknown or unsupported keys fail by name) and
+DeepSpeed's defaults where it is silent (no clipping, no weight decay, lr 1e-3, constant lr)::
+
+    engine, optimizer, _, scheduler = megazero.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from megazero.config.deepspeed import DeepSpeedConfigError, parse_ds_config
 from megazero.data_parallel import build_optimizer
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
+from megazero.optim.ds_schedulers import DeepSpeedScheduler
+
+logger = logging.getLogger("megazero.engine")
 
 
 class Engine:
     def __init__(self, model: torch.nn.Module, optimizer_config: OptimizerConfig,
                  ps: ParallelState | None = None, *, gradient_accumulation_steps: int = 1,
-                 lr_scheduler=None, seed: int = 0):
+                 lr_scheduler=None, seed: int = 0, micro_batch_size: int | None = None,
+                 steps_per_print: int | None = None):
         self.ps = ps or ParallelState.build()
         self.module = model
         self.config = MegazeroConfig(
@@ -48,6 +64,28 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm = None
+        self.micro_batch_size = micro_batch_size
+        self.steps_per_print = steps_per_print
+
+    # ---- DeepSpeed's getters -----------------------------------------------------------------
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self.micro_batch_size
+
+    def train_batch_size(self) -> int | None:
+        if self.micro_batch_size is None:
+            return None
+        return self.micro_batch_size * self.gas * self.ps.dp_size
+
+    def get_lr(self) -> list[float]:
+        lr = self.lr_scheduler.get_lr() if self.lr_scheduler is not None \
+            else self.config.optimizer.lr
+        return [lr]
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -83,6 +121,12 @@ class Engine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(1)
         self.optimizer.zero_grad()
+        if self.steps_per_print and self.global_steps % self.steps_per_print == 0 \
+                and self.ps.rank == 0:
+            o = self.config.optimizer
+            logger.info("[Rank 0] step=%d, skipped=%d, lr=%s, mom=[(%s, %s)]",
+                        self.global_steps, self.skipped_steps, self.get_lr(), o.adam_beta1,
+                        o.adam_beta2)
         return ok
 
     def memory_report(self) -> dict:
@@ -104,10 +148,82 @@ class Engine:
         return it
 
 
-def initialize(model: torch.nn.Module, optimizer_config: OptimizerConfig | None = None,
-               parallel_state: ParallelState | None = None, **kwargs) -> Engine:
-    """Wrap ``model`` with megazero's ZeRO optimizer (see ``Engine``)."""
-    return Engine(model, optimizer_config or OptimizerConfig(), parallel_state, **kwargs)
+# DeepSpeed's defaults where a ds_config is silent (its Adam's, and no clipping)
+_DS_DEFAULTS = dict(lr=1e-3, min_lr=0.0, weight_decay=0.0, clip_grad=0.0, adam_eps=1e-8,
+                    lr_decay_style="constant")
+# ds_config settings the engine honours besides the optimizer's (pretrain takes all)
+_ENGINE_TRAIN_FIELDS = {"train.micro_batch_size", "train.global_batch_size",
+                        "train.log_interval"}
 
 
-__all__ = ["Engine", "initialize", "build_lr_scheduler"]
+def from_ds_config(model: torch.nn.Module, ds_config, ps: ParallelState | None = None, *,
+                   seed: int = 0) -> Engine:
+    """An ``Engine`` for ``model`` from a ds_config (dict or JSON path)."""
+    ps = ps or ParallelState.build()
+    settings = parse_ds_config(ds_config, ps.world_size, ps.tp_size, ps.pp_size)
+    other = sorted(k for k in settings.fields
+                   if not k.startswith("optimizer.") and k not in _ENGINE_TRAIN_FIELDS)
+    if other:
+        raise DeepSpeedConfigError(
+            f"the engine cannot apply ds_config settings {other} (activation checkpointing "
+            "is your model's: use megazero.tensor_parallel.checkpoint; logging to "
+            "tensorboard/wandb and wall_clock_breakdown are pretrain_gpt2.py's)")
+    values = {**_DS_DEFAULTS, **{k.split(".", 1)[1]: v for k, v in settings.fields.items()
+                                 if k.startswith("optimizer.")}}
+    optimizer_config = OptimizerConfig(**values)
+    scheduler = None
+    if settings.scheduler is not None:
+        kind, params = settings.scheduler
+        scheduler = DeepSpeedScheduler(kind, params, base_lr=optimizer_config.lr)
+    return Engine(model, optimizer_config, ps, gradient_accumulation_steps=settings.accumulation,
+                  lr_scheduler=scheduler, seed=seed, micro_batch_size=settings.micro_batch,
+                  steps_per_print=settings.fields.get("train.log_interval"))
+
+
+def _dataloader(engine: Engine, training_data, collate_fn=None):
+    """DeepSpeed's training loader: micro-batches of this dp rank's share."""
+    ps = engine.ps
+    sampler = DistributedSampler(training_data, num_replicas=ps.dp_size, rank=ps.dp_rank)
+    return DataLoader(training_data, batch_size=engine.micro_batch_size, sampler=sampler,
+                      collate_fn=collate_fn)
+
+
+def initialize(model: torch.nn.Module | None = None,
+               optimizer_config: OptimizerConfig | None = None,
+               parallel_state: ParallelState | None = None, *, config=None,
+               config_params=None, model_parameters=None, optimizer=None, training_data=None,
+               collate_fn=None, args=None, lr_scheduler=None, **kwargs):
+    """Wrap ``model`` with megazero's ZeRO optimizer (see ``Engine``). Called DeepSpeed's way
+    (``config``/``config_params``, ``model_parameters``, ``training_data`` or ``args`` with
+    ``deepspeed_config``), build it from the ds_config and return DeepSpeed's
+    ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    ds_config = config if config is not None else config_params
+    if ds_config is None and args is not None:
+        ds_config = getattr(args, "deepspeed_config", None)
+    deepspeed_way = ds_config is not None or model_parameters is not None \
+        or training_data is not None
+    if not deepspeed_way:
+        return Engine(model, optimizer_config or OptimizerConfig(), parallel_state,
+                      lr_scheduler=lr_scheduler, **kwargs)
+    if ds_config is None:
+        raise DeepSpeedConfigError("megazero.initialize needs config= (a ds_config dict or "
+                                   "JSON path) when called DeepSpeed's way")
+    if optimizer is not None or lr_scheduler is not None:
+        raise DeepSpeedConfigError(
+            "megazero's engine builds its ZeRO optimizer and scheduler from the ds_config's "
+            "optimizer and scheduler sections; pass optimizer=None and lr_scheduler=None and "
+            "describe them there")
+    if model_parameters is not None:
+        given = {id(p) for p in model_parameters}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in
+                   given]
+        if missing:
+            raise DeepSpeedConfigError(f"model_parameters leaves out {missing[:4]}: megazero "
+                                       "trains every parameter that requires grad")
+    engine = from_ds_config(model, ds_config, parallel_state, **kwargs)
+    loader = _dataloader(engine, training_data, collate_fn) if training_data is not None \
+        else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+__all__ = ["Engine", "build_lr_scheduler", "from_ds_config", "initialize"]

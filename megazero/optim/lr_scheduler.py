@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from megazero.optim.ds_schedulers import DeepSpeedScheduler
+
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
@@ -82,9 +84,13 @@ class LRScheduler:
                 setattr(self, key, state[key])
 
 
-def build_lr_scheduler(opt_config, global_batch_size: int, train_samples: int) -> LRScheduler:
+def build_lr_scheduler(opt_config, global_batch_size: int, train_samples: int):
     """Steps in samples: decay over --lr-decay-samples, else --lr-decay-iters x global batch,
-    else the whole run; warmup from --lr-warmup-fraction|iters|samples."""
+    else the whole run; warmup from --lr-warmup-fraction|iters|samples. With a ds_config's
+    scheduler, DeepSpeed's (``DeepSpeedScheduler``), counting one step per global batch."""
+    if getattr(opt_config, "ds_scheduler", None):
+        return DeepSpeedScheduler(opt_config.ds_scheduler, opt_config.ds_scheduler_params or {},
+                                  base_lr=opt_config.lr, samples_per_step=global_batch_size)
     if opt_config.lr_decay_samples is not None:
         decay = opt_config.lr_decay_samples
     elif opt_config.lr_decay_iters is not None:

@@ -18,10 +18,11 @@ tp/pp/dp/ZeRO layout; it is read through ``CheckpointReader`` (memory-mapped, te
   fragments, step, loss scaler), scheduler, iteration, consumed samples and args, so
   ``pretrain_gpt2.py --load OUT`` at that layout resumes. RNG states carry over when the grid
   is unchanged, else they are re-derived as the loader does (``checkpoint.rng``).
-* ``to-hf`` / ``from-hf``: GPT-2 in Hugging Face's ``GPT2LMHeadModel`` layout (``tools.hf``);
-  from-hf writes iteration ``release``, which megazero loads with --finetune semantics
-  (iteration 0, no optimizer state), and copies the HF folder's ``vocab.json`` and
-  ``merges.txt`` into the checkpoint folder. to-hf exports the tokenizer (``vocab.json`` +
+* ``to-hf`` / ``from-hf``: GPT-2 in Hugging Face's ``GPT2LMHeadModel`` layout (``tools.hf``)
+  or the Llama family in ``LlamaForCausalLM``'s (``tools.hf_llama``); from-hf writes
+  iteration ``release``, which megazero loads with --finetune semantics (iteration 0, no
+  optimizer state), and copies the HF folder's ``vocab.json`` and ``merges.txt`` (or Llama's
+  ``tokenizer.model``) into the checkpoint folder. to-hf exports the tokenizer (``vocab.json`` +
   ``merges.txt``, or ``tokenizer.model``) from ``--vocab-file``/``--merge-file`` or
   ``--tokenizer-model``, else from files inside the checkpoint folder.
 * ``to-fp32``: one consolidated fp32 state dict (``zero_to_fp32``).
@@ -481,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=positive_int, default=1, help="pipeline-model-parallel size")
     s.add_argument("--force", action="store_true", help="overwrite the iteration folder")
     s.set_defaults(fn=cmd_convert)
-    s = sub.add_parser("to-hf", help="export to Hugging Face GPT2LMHeadModel files")
+    s = sub.add_parser("to-hf", help="export to Hugging Face GPT2LMHeadModel or "
+                       "LlamaForCausalLM files")
     ckpt(s)
     s.add_argument("output", help="folder for model.safetensors / pytorch_model.bin")
     s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -494,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model")
     s.set_defaults(fn=cmd_to_hf)
-    s = sub.add_parser("from-hf", help="import Hugging Face GPT-2 as iteration 'release'")
+    s = sub.add_parser("from-hf", help="import Hugging Face GPT-2 or Llama as iteration "
+                       "'release'")
     s.add_argument("hf_dir", help="folder with config.json and the weights")
     s.add_argument("output", help="folder to write (a --save folder)")
     s.add_argument("--tp", type=positive_int, default=1, help="tensor-model-parallel size")

@@ -1,0 +1,163 @@
+"""``ParallelConfig`` (the rank grid's sizes) and ``OptimizerConfig`` (optimizer, learning-rate
+schedule, precision and loss scaling, ZeRO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazero.config.checks import (
+    _check,
+    _finite,
+    _in_unit,
+    _int_at_least,
+    _optional_int_at_least,
+)
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the rank grid: world = tp * dp * pp (tp fastest, then dp, then pp)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    overlap_p2p_comm: bool = True  # interleaved schedule: exchanges in flight during compute
+    world_size: int = 1
+    distributed_backend: str | None = None  # None: nccl with CUDA, else gloo
+    distributed_timeout_minutes: float = 10.0
+    ring_collectives: str = "auto"  # gloo reduce-scatter/all-gather: auto | ring | native
+
+    def __post_init__(self):
+        tp, pp, world = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                         self.world_size)
+        _int_at_least(tp, "--tensor-model-parallel-size", 1)
+        _int_at_least(pp, "--pipeline-model-parallel-size", 1)
+        _int_at_least(world, "--world-size (or WORLD_SIZE)", 1)
+        _check(world % (tp * pp) == 0,
+               f"world size ({world}) is not divisible by --tensor-model-parallel-size ({tp}) "
+               f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
+        if self.virtual_pipeline_model_parallel_size is not None:
+            v = self.virtual_pipeline_model_parallel_size
+            _int_at_least(v, "the number of virtual pipeline stages", 1)
+            _check(pp > 1 or v == 1,
+                   "--num-layers-per-virtual-pipeline-stage needs "
+                   "--pipeline-model-parallel-size > 1")
+            if v == 1:
+                self.virtual_pipeline_model_parallel_size = None
+        _check(self.distributed_backend in (None, "gloo", "nccl"),
+               f"--distributed-backend must be gloo or nccl, got {self.distributed_backend!r}")
+        _check(self.ring_collectives in ("auto", "ring", "native"),
+               f"--ring-collectives must be auto, ring or native, got {self.ring_collectives!r}")
+        _finite(self.distributed_timeout_minutes, "--distributed-timeout-minutes",
+                positive=True)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule, precision, loss scaling and ZeRO."""
+
+    optimizer: str = "adam"  # adam | lamb | sgd
+    lr: float = 1.5e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root | WSD
+    lr_wsd_decay_style: str = "exponential"  # linear | cosine | exponential | minus_sqrt
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    lr_warmup_fraction: float | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    adam_w_mode: bool = True
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    # precision and loss scaling
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # constant scale; None -> dynamic (fp16 only)
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # ZeRO data parallelism
+    zero_stage: int = 0
+    # elements per reduce bucket; None: chosen from the model size (layout.default_bucket_size)
+    zero_reduce_bucket_size: int | None = None
+    overlap_grad_reduce: bool = True  # bucket reduce-scatters run during the backward
+    overlap_param_gather: bool = True  # updated parameters gathered during the next forward
+    zero_param_persistence_threshold: int = 0  # elements; params at or below stay whole
+    zero_prefetch: bool = True
+    zero3_order_check: bool = True  # all-gather (kind, bucket, seq) before each collective
+    cpu_offload: bool = False
+    cpu_torch_adam: bool = False
+    use_fused_step: bool = True  # fused unscale+clip+adam+cast kernel when built
+    # a ds_config's scheduler (WarmupLR | WarmupDecayLR | WarmupCosineLR, counted in steps)
+    ds_scheduler: str | None = None
+    ds_scheduler_params: dict | None = None
+
+    def __post_init__(self):
+        _check(self.optimizer in ("adam", "lamb", "sgd"),
+               f"--optimizer must be adam, lamb or sgd, got {self.optimizer!r}")
+        styles = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+        _check(self.lr_decay_style in styles,
+               f"--lr-decay-style must be one of {', '.join(styles)}, got "
+               f"{self.lr_decay_style!r}")
+        wsd = ("linear", "cosine", "exponential", "minus_sqrt")
+        _check(self.lr_wsd_decay_style in wsd,
+               f"--lr-wsd-decay-style must be one of {', '.join(wsd)}, got "
+               f"{self.lr_wsd_decay_style!r}")
+        _optional_int_at_least(self.lr_wsd_decay_iters, "--lr-wsd-decay-iters", 1)
+        _optional_int_at_least(self.lr_wsd_decay_samples, "--lr-wsd-decay-samples", 1)
+        if self.lr_decay_style == "WSD":
+            _check(self.lr_wsd_decay_iters is not None or self.lr_wsd_decay_samples is not None,
+                   "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+        _check(not (self.fp16 and self.bf16), "--fp16 and --bf16 cannot both be set")
+        _finite(self.lr, "--lr", positive=False)
+        _finite(self.min_lr, "--min-lr", positive=False)
+        _check(self.min_lr <= self.lr or self.lr == 0,
+               f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        _int_at_least(self.lr_warmup_iters, "--lr-warmup-iters", 0)
+        _int_at_least(self.lr_warmup_samples, "--lr-warmup-samples", 0)
+        _optional_int_at_least(self.lr_decay_iters, "--lr-decay-iters", 1)
+        _optional_int_at_least(self.lr_decay_samples, "--lr-decay-samples", 1)
+        if self.lr_warmup_fraction is not None:
+            _in_unit(self.lr_warmup_fraction, "--lr-warmup-fraction", closed=True)
+            _check(self.lr_warmup_iters == 0 and self.lr_warmup_samples == 0,
+                   "--lr-warmup-fraction cannot be combined with --lr-warmup-iters/samples")
+        _finite(self.weight_decay, "--weight-decay", positive=False)
+        _in_unit(self.adam_beta1, "--adam-beta1")
+        _in_unit(self.adam_beta2, "--adam-beta2")
+        _finite(self.adam_eps, "--adam-eps", positive=True)
+        _in_unit(self.sgd_momentum, "--sgd-momentum")
+        _check(self.zero_stage in (0, 1, 2, 3),
+               f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _optional_int_at_least(self.zero_reduce_bucket_size, "--zero-reduce-bucket-size", 1)
+        _int_at_least(self.zero_param_persistence_threshold,
+                      "--zero-param-persistence-threshold", 0)
+        _finite(self.clip_grad, "--clip-grad", positive=False)
+        _int_at_least(self.hysteresis, "--hysteresis", 1)
+        _int_at_least(self.loss_scale_window, "--loss-scale-window", 1)
+        if self.loss_scale is not None:
+            _finite(self.loss_scale, "--loss-scale", positive=True)
+        _finite(self.initial_loss_scale, "--initial-loss-scale", positive=True)
+        _finite(self.min_loss_scale, "--min-loss-scale", positive=True)
+        if self.fp16 and self.loss_scale is None:  # the dynamic scaler's range
+            _check(self.min_loss_scale <= self.initial_loss_scale,
+                   f"--min-loss-scale ({self.min_loss_scale}) must not exceed "
+                   f"--initial-loss-scale ({self.initial_loss_scale})")
+        _check(not (self.cpu_offload and self.zero_stage == 0),
+               "--cpu-offload / --zero-offload-optimizer needs --zero-stage >= 1")
+
+    @property
+    def params_dtype(self) -> str:
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
