@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from megazero.checkpoint import load_checkpoint, save_checkpoint
+from megazero.checkpoint import CheckpointError, load_checkpoint, read_tracker, save_checkpoint
+from megazero.checkpoint.paths import atomic_save, atomic_write_text
 from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.config.deepspeed import DeepSpeedConfigError, parse_ds_config
 from megazero.data_parallel import build_optimizer
+from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
 from megazero.optim.ds_schedulers import DeepSpeedScheduler
@@ -132,20 +135,77 @@ class Engine:
     def memory_report(self) -> dict:
         return self.optimizer.memory_report()
 
-    def save_checkpoint(self, save_dir: str) -> str:
-        """Megatron-layout checkpoint (model, ZeRO shards, RNG) at ``global_steps``."""
-        return save_checkpoint(
-            save_dir, self.global_steps, model_chunks=[self.module], optimizer=self.optimizer,
+    def save_checkpoint(self, save_dir: str, tag=None, client_state: dict | None = None,
+                        save_latest: bool = True) -> str:
+        """Save at ``global_steps``; returns the folder written.
+
+        Without ``tag``: Megatron's layout in ``save_dir`` (``iter_0000010/...``, tracker
+        ``latest_checkpointed_iteration.txt``). With a tag (DeepSpeed's call): the same
+        layout inside ``save_dir/<tag>/``, ``client_state`` (a dict of tensors, numbers,
+        strings, lists, dicts) beside it, and, with ``save_latest``, DeepSpeed's
+        ``save_dir/latest`` naming the tag. Either loads at any tp/pp/dp/ZeRO layout."""
+        root = save_dir if tag is None else os.path.join(save_dir, _check_tag(tag))
+        comm.barrier(self.ps.world_group)
+        path = save_checkpoint(
+            root, self.global_steps, model_chunks=[self.module], optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, config=self.config, ps=self.ps,
             consumed_train_samples=self.global_steps)
+        if tag is not None and self.ps.rank == 0:
+            atomic_save({"client_state": dict(client_state or {}),
+                         "global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                         "skipped_steps": self.skipped_steps},
+                        os.path.join(root, CLIENT_STATE_FILE))
+            if save_latest:
+                atomic_write_text(os.path.join(save_dir, LATEST_TAG_FILE), str(tag))
+        comm.barrier(self.ps.world_group)
+        return root if tag is not None else path
 
-    def load_checkpoint(self, load_dir: str) -> int:
-        loaded = load_checkpoint(load_dir, model_chunks=[self.module], optimizer=self.optimizer,
-                                 lr_scheduler=self.lr_scheduler, config=self.config, ps=self.ps)
+    def load_checkpoint(self, load_dir: str, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True):
+        """Load a checkpoint saved at any layout. Called with ``tag`` or on a folder with
+        DeepSpeed's ``latest`` file: that tag's checkpoint, returning DeepSpeed's
+        ``(path, client_state)`` (``(None, None)`` when ``latest`` is missing). Otherwise
+        (Megatron's layout) the iteration loaded, as before."""
+        latest = os.path.join(load_dir, LATEST_TAG_FILE)
+        if tag is None and not os.path.isfile(latest):
+            if read_tracker(load_dir) is not None or not os.path.isdir(load_dir):
+                return self._load(load_dir, load_optimizer_states, load_lr_scheduler_states)
+            return None, None
+        if tag is None:
+            with open(latest) as f:
+                tag = f.read().strip()
+        root = os.path.join(load_dir, _check_tag(tag))
+        if not os.path.isdir(root):
+            raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir} ({root} is "
+                                  "missing)")
+        self._load(root, load_optimizer_states, load_lr_scheduler_states)
+        path = os.path.join(root, CLIENT_STATE_FILE)
+        extra = torch.load(path, map_location="cpu", weights_only=True) \
+            if os.path.isfile(path) else {"client_state": {}}
+        self.skipped_steps = int(extra.get("skipped_steps", self.skipped_steps))
+        return root, extra["client_state"]
+
+    def _load(self, root: str, load_optimizer_states: bool, load_lr_scheduler_states: bool):
+        optimizer = self.optimizer if load_optimizer_states else None
+        scheduler = self.lr_scheduler if load_lr_scheduler_states else None
+        loaded = load_checkpoint(root, model_chunks=[self.module], optimizer=optimizer,
+                                 lr_scheduler=scheduler, config=self.config, ps=self.ps)
         it = loaded.start_iteration
         self.global_steps = it
         self.micro_steps = it * self.gas
         return it
+
+
+LATEST_TAG_FILE = "latest"  # DeepSpeed's: the tag of the last save_checkpoint(tag=...)
+CLIENT_STATE_FILE = "client_state.pt"
+
+
+def _check_tag(tag) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("iter_"):
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a folder name (no '/', not "
+                              "'.'/'..', not Megatron's iter_XXXXXXX)")
+    return tag
 
 
 # DeepSpeed's defaults where a ds_config is silent (its Adam's, and no clipping)
