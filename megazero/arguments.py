@@ -181,6 +181,9 @@ def _add_optimizer_args(parser):
           action="store_true")
     g.add("--cpu-torch-adam", "--cpu_torch_adam", action="store_true",
           help="use torch.optim.AdamW even when megazero's CPU Adam is built")
+    g.add("--ds_fused_adam", "--ds-fused-adam", field="use_fused_step", action="store_true",
+          help="Megatron-DeepSpeed's flag: the fused Adam step (megazero's kernel; the "
+               "default)")
     g.add("--no-fused-optimizer-step", field="use_fused_step", action="store_false",
           help="run the PyTorch reference of the fused optimizer step instead of the kernel")
 

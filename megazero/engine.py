@@ -42,6 +42,7 @@ from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
 from megazero.optim.ds_schedulers import DeepSpeedScheduler
+from megazero.optim.rules import describe_rule
 
 logger = logging.getLogger("megazero.engine")
 
@@ -69,6 +70,9 @@ class Engine:
         self.last_grad_norm = None
         self.micro_batch_size = micro_batch_size
         self.steps_per_print = steps_per_print
+        if self.ps.rank == 0 and getattr(self.optimizer, "rule", None) is not None:
+            logger.info("Using %s optimizer; ZeRO stage %d", describe_rule(self.optimizer.rule),
+                        optimizer_config.zero_stage)
 
     # ---- DeepSpeed's getters -----------------------------------------------------------------
     def gradient_accumulation_steps(self) -> int:

@@ -328,3 +328,17 @@ def test_checkpoint_api_with_tags_at_another_layout(tmp_path):
     assert path.endswith("mid")
     assert lr == full[0][1]  # 6 optimizer steps counted either way
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_the_chosen_update_is_named():
+    from megazero.config import OptimizerConfig
+    from megazero.distributed.parallel_state import ParallelState
+    from megazero.optim.rules import build_rule, describe_rule
+
+    ps = ParallelState.build()
+    name = lambda **kw: describe_rule(build_rule(OptimizerConfig(**kw), ps))  # noqa: E731
+    assert name().startswith("AdamW: megazero's")
+    assert name(adam_w_mode=False).startswith("Adam (L2 weight decay)")
+    assert name(use_fused_step=False).endswith("(--no-fused-optimizer-step)")
+    assert name(cpu_torch_adam=True) == "torch.optim.AdamW (fused)"
+    assert name(optimizer="lamb").startswith("LAMB") and name(optimizer="sgd").startswith("SGD")

@@ -99,5 +99,6 @@ def test_llama_tiny_script_trains_and_resumes(tmp_path):
     out = run(["bash", "scripts/pretrain_llama_tiny.sh", *small], {**env, "TRAIN_ITERS": "2"})
     assert iterations_logged(out) == [1, 2]
     assert "throughput per GPU (TFLOP/s/GPU):" in out and " progress: 2/2 iterations" in out
+    assert "Using AdamW: megazero's" in out and "ZeRO stage 1" in out  # --use-distributed-optimizer
     out = run(["bash", "scripts/pretrain_llama_tiny.sh", *small], {**env, "TRAIN_ITERS": "3"})
     assert iterations_logged(out) == [3]

@@ -47,7 +47,7 @@ from megazero.ops.cpu_lamb import (
     fused_lamb_stage2_reference,
     lamb_trust_ratios,
 )
-from megazero.ops.registry import register_op
+from megazero.ops.registry import op_status, register_op
 
 __all__ = [
     "fused_adam_step", "fused_adam_step_reference", "fused_lamb_stage1",
@@ -175,8 +175,14 @@ def fused_adam_step_reference(param_fp32, grad, exp_avg, exp_avg_sq, *, step, lr
         copies=views(model_param_out), mask_nonfinite=True)
 
 
-register_op("fused_adam_step", "adam",
-            "one-pass unscale+clip+Adam+cast step of a ZeRO partition (fused_step)",
-            simd_level_fn=lambda: cx.simd_level("adam"))
+_ADAM_STEP = register_op("fused_adam_step", "adam",
+                         "one-pass unscale+clip+Adam+cast step of a ZeRO partition "
+                         "(fused_step)", simd_level_fn=lambda: cx.simd_level("adam"))
+
+
+def fused_step_status() -> dict:
+    """Whether the fused Adam step's kernel is built, at which SIMD level, and why not
+    (``registry.op_status``)."""
+    return op_status(_ADAM_STEP)
 register_op("grad_norm_sq", "adam", "global gradient norm, float64 sum of squares (fused_step)",
             simd_level_fn=lambda: cx.simd_level("adam"))

@@ -24,7 +24,11 @@ import torch
 from megazero.distributed import comm
 from megazero.distributed.device import host_values
 from megazero.ops.cpu_lamb import lamb_stage1_, lamb_stage2_, lamb_trust_ratios
-from megazero.ops.fused_step import fused_adam_step, fused_adam_step_reference
+from megazero.ops.fused_step import (
+    fused_adam_step,
+    fused_adam_step_reference,
+    fused_step_status,
+)
 
 
 @dataclass
@@ -67,6 +71,23 @@ class AdamRule:
                          weight_decay=s.weight_decay, adam_w_mode=self.adam_w_mode,
                          bias_correction=True, grad_scale=grad_scale,
                          model_param_out=s.model_out)
+
+
+def describe_rule(rule) -> str:
+    """The update that runs, in words (DeepSpeed users read "Using ... optimizer")."""
+    if isinstance(rule, AdamRule):
+        kind = "AdamW" if rule.adam_w_mode else "Adam (L2 weight decay)"
+        if rule.step_fn is fused_adam_step_reference:
+            return f"{kind}: megazero's step, PyTorch reference (--no-fused-optimizer-step)"
+        status = fused_step_status()
+        if status["built"]:
+            return f"{kind}: megazero's fused step ({status['simd']})"
+        return f"{kind}: megazero's step, PyTorch reference ({status['reason']})"
+    if isinstance(rule, TorchAdamRule):
+        return "torch.optim." + ("AdamW" if rule.adam_w_mode else "Adam") + " (fused)"
+    if isinstance(rule, LambRule):
+        return "LAMB: megazero's kernels, trust ratio from the whole parameter"
+    return f"SGD with momentum {rule.momentum}"
 
 
 class TorchAdamRule:
