@@ -32,6 +32,7 @@ def test_report_lists_every_registered_op():
     assert not MY_MODULES & set(info["import_errors"])
     for op in info["ops"]:
         assert op["built"] or op["reason"]
+    assert info["default_update"].startswith("AdamW: megazero's") and "default update" in text
 
 
 def test_report_says_why_an_op_is_missing():
@@ -39,6 +40,7 @@ def test_report_says_why_an_op_is_missing():
     mine = [op for op in info["ops"] if op["name"] in MY_OPS]
     assert mine and all(not op["built"] and "MEGAZERO_DISABLE_OPS" in op["reason"]
                         for op in mine)
+    assert "PyTorch reference" in info["default_update"]
 
 
 def test_registry_register_and_status():

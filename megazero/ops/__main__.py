@@ -18,6 +18,7 @@ import sys
 import torch
 
 from megazero.ops import _cpu_ext, registry
+from megazero.ops.fused_step import fused_step_status
 
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
@@ -71,7 +72,17 @@ def collect() -> dict:
         "env": env,
         "ops": ops,
         "import_errors": import_errors,
+        "default_update": default_update(),
     }
+
+
+def default_update() -> str:
+    """The Adam update a run gets with the default flags (DeepSpeed's "Using ... optimizer";
+    the run itself logs the one its flags chose)."""
+    status = fused_step_status()
+    if status["built"]:
+        return f"AdamW: megazero's fused step ({status['simd']})"
+    return f"AdamW: megazero's step, PyTorch reference ({status['reason']})"
 
 
 def print_report(info: dict) -> None:
@@ -90,6 +101,7 @@ def print_report(info: dict) -> None:
         ("threads", f"torch.get_num_threads() = {info['torch_threads']} (kernels use the same)"),
         ("openmp runtimes", ", ".join(info["openmp_runtimes"]) or "none loaded"),
         ("environment", ", ".join(f"{k}={v}" for k, v in info["env"].items() if v) or "-"),
+        ("default update", f"{info['default_update']} (--cpu-torch-adam: torch.optim.AdamW)"),
     ]
     for key, value in rows:
         print(f"{key:.<18} {value}")
