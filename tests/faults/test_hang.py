@@ -14,13 +14,17 @@ import pytest
 
 from tests.faults.launch import TINY, Job
 
+# Where the survivor waits depends on the moment of the freeze; every place names its group.
+# With tp or pp > 1 the optimizer step's gradient-norm all-reduce runs over the model-parallel
+# group (tp x pp, here both ranks), so "the mp group" is a valid end for both layouts.
 LAYOUTS = {
     "dp2": ("--global-batch-size 4", "dp group"),
-    "tp2": ("--tensor-model-parallel-size 2 --global-batch-size 2", "tp group"),
-    # a pipeline rank waits on its neighbour's messages (named by peer) or, after the
-    # backward, on the tied-embedding gradient's all-reduce: where depends on the moment
+    "tp2": ("--tensor-model-parallel-size 2 --global-batch-size 2", r"tp group|mp group"),
+    # a pipeline rank waits on its neighbour's messages (named by peer), after the backward
+    # on the tied-embedding gradient's all-reduce, or in the step on the gradient norm's
     "pp2": ("--pipeline-model-parallel-size 2 --global-batch-size 4",
-            r"with rank 0 on the pp group|all_reduce on the embedding group"),
+            r"with rank 0 on the pp group|all_reduce on the embedding group"
+            r"|all_reduce on the mp group"),
 }
 
 
