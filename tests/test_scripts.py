@@ -102,3 +102,44 @@ def test_llama_tiny_script_trains_and_resumes(tmp_path):
     assert "Using AdamW: megazero's" in out and "ZeRO stage 1" in out  # --use-distributed-optimizer
     out = run(["bash", "scripts/pretrain_llama_tiny.sh", *small], {**env, "TRAIN_ITERS": "3"})
     assert iterations_logged(out) == [3]
+
+
+_TEARDOWN_PROBE = """
+import os, sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.getcwd())
+import pretrain_gpt2
+from megazero.arguments import parse_args
+from megazero.distributed import destroy_distributed
+from megazero.training import pretrain
+pretrain(pretrain_gpt2.train_valid_test_datasets_provider, pretrain_gpt2.model_provider,
+         pretrain_gpt2.forward_step, parse_args(),
+         zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
+destroy_distributed()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+with open(os.path.join(os.environ["PROBE_OUT"], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(str(sum("gloo" in n for n in names)))
+"""
+
+
+def test_teardown_joins_every_gloo_thread(tmp_path):
+    """After pretrain and ``destroy_distributed`` no process group survives: a group kept
+    alive by the finished model or optimizer (hooks, parameter metadata) would keep its gloo
+    threads into interpreter teardown, where they sometimes abort the process (SIGABRT,
+    "terminate called without an active exception") after a run that succeeded."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(_TEARDOWN_PROBE)
+    flags = ["--mock-data", "--vocab-size", "128", "--num-layers", "4", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings",
+             "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
+             "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0"]
+    for layout in (["--zero-stage", "3"], ["--zero-stage", "2"],
+                   ["--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1"]):
+        out_dir = tmp_path / "_".join(layout)
+        out_dir.mkdir()
+        run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(free_port()), str(probe), "pretrain_gpt2.py", *flags,
+             *layout], {"PROBE_OUT": str(out_dir)})
+        left = {f.name: int(f.read_text()) for f in out_dir.iterdir()}
+        assert left == {"rank0": 0, "rank1": 0}, (layout, "gloo threads left", left)

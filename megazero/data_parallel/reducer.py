@@ -19,6 +19,7 @@ is a readiness count and a separate "reduced in this backward" flag.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,13 @@ import torch
 
 from megazero.data_parallel.layout import Bucket, FlatLayout, ParamRange
 from megazero.distributed import comm
+
+
+def _call(ref: weakref.ref, method: str, *args) -> None:
+    """``ref().method(*args)`` if the referent still lives (a hook outliving its owner)."""
+    owner = ref()
+    if owner is not None:
+        getattr(owner, method)(*args)
 
 
 @dataclass
@@ -63,9 +71,14 @@ class BucketReducer:
         self._callback_queued = False
         self._hooks = []
         if grads.reduces_every_microbatch or overlap:
+            # The hooks hold the reducer weakly: a strong reference would close a cycle
+            # (parameter -> hook -> reducer -> layout -> parameter) through the tensor's hook
+            # dict, which the garbage collector does not break, and keep ``dp_group`` (its gloo
+            # threads) alive past ``destroy_process_group`` into interpreter teardown.
+            ref = weakref.ref(self)
             for pr in layout.ranges.values():
                 self._hooks.append(pr.param.register_post_accumulate_grad_hook(
-                    lambda p, pr=pr: self._on_grad_ready(pr)))
+                    lambda p, pr=pr: _call(ref, "_on_grad_ready", pr)))
 
     def reset(self) -> None:
         n = len(self.layout.buckets)

@@ -27,6 +27,7 @@ code (like DeepSpeed's), optionally broadcasting changes made on one rank.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -192,8 +193,11 @@ class Zero3Optimizer(ZeroOptimizer):
                          reducer_hooks=hooks)
         self.units, self.gatherer = units, gatherer
         self._param_name = {id(pr.param): n for n, pr in layout.ranges.items()}
+        # Weakly: the parameters must not keep their optimizer (and its process groups)
+        # alive; torch does not traverse a parameter's attributes for garbage collection
+        # while autograd also holds it, so a strong back-reference is a leak.
         for pr in layout.ranges.values():
-            update_meta(pr.param, partitioned_by=self)
+            update_meta(pr.param, partitioned_by=weakref.ref(self))
         self.gatherer.install(model_chunks)
 
     @property
@@ -296,8 +300,16 @@ class GatheredParameters(contextlib.AbstractContextManager):
 
     def __init__(self, params, modifier_rank: int | None = None):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        owners = {id(meta_of(p).partitioned_by): meta_of(p).partitioned_by for p in params}
-        owners.pop(id(None), None)
+        owners = {}
+        for p in params:
+            ref = meta_of(p).partitioned_by
+            if ref is None:
+                continue
+            opt = ref()
+            if opt is None:
+                raise RuntimeError("GatheredParameters: a ZeRO-3 parameter's optimizer was "
+                                   "released; its full value is gone with it")
+            owners[id(opt)] = opt
         self._ctxs = [opt.gathered(params, modifier_rank) for opt in owners.values()]
 
     def __enter__(self):

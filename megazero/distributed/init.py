@@ -14,6 +14,7 @@ creates); under NCCL the watchdog's async error handling is on (``NCCL_ENV_DEFAU
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 
@@ -99,5 +100,12 @@ def _job_store(timeout: datetime.timedelta):
 
 
 def destroy_distributed() -> None:
+    """Destroy every process group and join their threads now, while the interpreter is
+    whole. ``destroy_process_group`` only unregisters the groups: a group's gloo threads end
+    when its last reference goes, and a finished run's model and optimizer hold theirs in
+    reference cycles (module hooks) until the cycle collector runs. Left to interpreter
+    teardown, a gloo thread that still drops a tensor then needs the GIL and aborts the
+    process ("terminate called without an active exception", exit code -6)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()

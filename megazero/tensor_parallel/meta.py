@@ -95,7 +95,8 @@ class ParamMeta:
     ``tied_embedding``: the word embedding held by the first and the last pipeline stage,
     gradient all-reduced over the embedding group; ``shared_embedding``: the last stage's
     copy of it (counted once in norms).
-    ``partitioned_by``: the ZeRO-3 optimizer holding this parameter's dp partitions, if any.
+    ``partitioned_by``: a weak reference to the ZeRO-3 optimizer holding this parameter's dp
+    partitions, if any.
     """
 
     shard: ShardInfo
