@@ -43,6 +43,8 @@ from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
 from megazero.optim.ds_schedulers import DeepSpeedScheduler
 from megazero.optim.rules import describe_rule
+from megazero.pipe import PipelineModule
+from megazero.pipe.schedule import run_batch
 
 logger = logging.getLogger("megazero.engine")
 
@@ -52,9 +54,17 @@ class Engine:
                  ps: ParallelState | None = None, *, gradient_accumulation_steps: int = 1,
                  lr_scheduler=None, seed: int = 0, micro_batch_size: int | None = None,
                  steps_per_print: int | None = None):
+        if isinstance(model, PipelineModule):
+            if ps is not None and ps is not model.ps:
+                raise ValueError("a PipelineModule brings its own parallel state: pass it as "
+                                 "PipelineModule(parallel_state=...) only")
+            ps = model.ps
         self.ps = ps or ParallelState.build()
         self.module = model
+        # what the optimizer and checkpoints see: a PipelineModule's chunks on this rank
+        self.chunks = list(model.chunks) if isinstance(model, PipelineModule) else [model]
         self.config = MegazeroConfig(
+            model=None,  # not megazero's GPT: the checkpoints check the parameters' shapes
             optimizer=optimizer_config,
             parallel=ParallelConfig(tensor_model_parallel_size=self.ps.tp_size,
                                     pipeline_model_parallel_size=self.ps.pp_size,
@@ -62,13 +72,15 @@ class Engine:
             train=TrainConfig(seed=seed))
         self.gas = gradient_accumulation_steps
         self.lr_scheduler = lr_scheduler
-        self.optimizer = build_optimizer([model], optimizer_config, self.ps,
+        self.optimizer = build_optimizer(self.chunks, optimizer_config, self.ps,
                                          lr_scheduler=lr_scheduler, seed=seed)
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm = None
         self.micro_batch_size = micro_batch_size
+        self.training_dataloader = None  # initialize(training_data=...)'s loader
+        self._loader_iter = None
         self.steps_per_print = steps_per_print
         if self.ps.rank == 0 and getattr(self.optimizer, "rule", None) is not None:
             logger.info("Using %s optimizer; ZeRO stage %d", describe_rule(self.optimizer.rule),
@@ -96,6 +108,8 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    forward = __call__
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -136,6 +150,48 @@ class Engine:
                         o.adam_beta2)
         return ok
 
+    # ---- pipelines (DeepSpeed's PipelineEngine) ------------------------------------------------
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches of a
+        ``PipelineModule`` (each ``next(data_iter)`` an ``(inputs, labels)`` pair; default:
+        the loader of ``initialize(training_data=...)``). Returns the mean loss, averaged over
+        dp, on every rank."""
+        module = self._pipeline("train_batch")
+        module.train()
+        self.optimizer.zero_grad()
+        loss = run_batch(module, self._data_iter(data_iter), num_microbatches=self.gas,
+                         loss_scale=self.optimizer.loss_scale, no_sync=self.optimizer.no_sync)
+        self.micro_steps += self.gas - 1
+        self.step()  # the boundary: reduce, update, lr scheduler, zero
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter) -> torch.Tensor:
+        """The mean loss of ``gradient_accumulation_steps`` micro-batches, forward only."""
+        module = self._pipeline("eval_batch")
+        module.eval()
+        try:
+            return run_batch(module, data_iter, num_microbatches=self.gas, forward_only=True)
+        finally:
+            module.train()
+
+    def _pipeline(self, what: str) -> PipelineModule:
+        if not isinstance(self.module, PipelineModule):
+            raise TypeError(f"engine.{what} runs a megazero.pipe.PipelineModule; for another "
+                            "model call engine(batch), engine.backward(loss), engine.step()")
+        return self.module
+
+    def _data_iter(self, data_iter):
+        if data_iter is not None:
+            return data_iter
+        if self.training_dataloader is None:
+            if self.ps.is_first_stage or self.ps.is_last_stage:
+                raise ValueError("train_batch needs data_iter, or initialize(training_data=)")
+            return None
+        if self._loader_iter is None:
+            self._loader_iter = _repeat(self.training_dataloader)
+        return self._loader_iter
+
     def memory_report(self) -> dict:
         return self.optimizer.memory_report()
 
@@ -151,7 +207,7 @@ class Engine:
         root = save_dir if tag is None else os.path.join(save_dir, _check_tag(tag))
         comm.barrier(self.ps.world_group)
         path = save_checkpoint(
-            root, self.global_steps, model_chunks=[self.module], optimizer=self.optimizer,
+            root, self.global_steps, model_chunks=self.chunks, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, config=self.config, ps=self.ps,
             consumed_train_samples=self.global_steps)
         if tag is not None and self.ps.rank == 0:
@@ -192,7 +248,7 @@ class Engine:
     def _load(self, root: str, load_optimizer_states: bool, load_lr_scheduler_states: bool):
         optimizer = self.optimizer if load_optimizer_states else None
         scheduler = self.lr_scheduler if load_lr_scheduler_states else None
-        loaded = load_checkpoint(root, model_chunks=[self.module], optimizer=optimizer,
+        loaded = load_checkpoint(root, model_chunks=self.chunks, optimizer=optimizer,
                                  lr_scheduler=scheduler, config=self.config, ps=self.ps)
         it = loaded.start_iteration
         self.global_steps = it
@@ -223,6 +279,8 @@ _ENGINE_TRAIN_FIELDS = {"train.micro_batch_size", "train.global_batch_size",
 def from_ds_config(model: torch.nn.Module, ds_config, ps: ParallelState | None = None, *,
                    seed: int = 0) -> Engine:
     """An ``Engine`` for ``model`` from a ds_config (dict or JSON path)."""
+    if isinstance(model, PipelineModule) and ps is None:
+        ps = model.ps
     ps = ps or ParallelState.build()
     settings = parse_ds_config(ds_config, ps.world_size, ps.tp_size, ps.pp_size)
     other = sorted(k for k in settings.fields
@@ -242,6 +300,12 @@ def from_ds_config(model: torch.nn.Module, ds_config, ps: ParallelState | None =
     return Engine(model, optimizer_config, ps, gradient_accumulation_steps=settings.accumulation,
                   lr_scheduler=scheduler, seed=seed, micro_batch_size=settings.micro_batch,
                   steps_per_print=settings.fields.get("train.log_interval"))
+
+
+def _repeat(loader):
+    """DeepSpeed's ``RepeatingLoader``: epochs of ``loader`` without end."""
+    while True:
+        yield from loader
 
 
 def _dataloader(engine: Engine, training_data, collate_fn=None):
@@ -287,6 +351,7 @@ def initialize(model: torch.nn.Module | None = None,
     engine = from_ds_config(model, ds_config, parallel_state, **kwargs)
     loader = _dataloader(engine, training_data, collate_fn) if training_data is not None \
         else None
+    engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -37,7 +37,7 @@ from megazero.checkpoint.paths import (
 )
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.rng import rederive_rng, set_rng_state
-from megazero.checkpoint.save import ARCH_DEFAULTS, layout_of, model_shape
+from megazero.checkpoint.save import ARCH_DEFAULTS, layout_of, model_shape, vocab_divisible_by
 from megazero.distributed import comm
 from megazero.distributed.parallel_state import ParallelState, rank_of
 from megazero.tensor_parallel.meta import meta_of
@@ -64,8 +64,13 @@ class LoadedCheckpoint:
 
 
 def check_model_shape(saved_args: dict, config, where: str) -> None:
-    saved = {**ARCH_DEFAULTS, **saved_args.get("model", {})}
     current = model_shape(config)
+    if not current:  # the engine's own model: the parameters' full shapes are checked
+        return
+    if "model" in saved_args and saved_args["model"] is None:
+        raise CheckpointError(f"checkpoint {where} holds a model megazero's engine trained, "
+                              "not megazero's GPT; load it with engine.load_checkpoint")
+    saved = {**ARCH_DEFAULTS, **saved_args.get("model", {})}
     diffs = [f"{k}: checkpoint {saved.get(k)} vs current {v}" for k, v in current.items()
              if k in saved and saved[k] != v]
     if diffs:
@@ -91,7 +96,8 @@ def open_reader(root: str, iteration, config) -> CheckpointReader | MegatronRead
     """The reader of checkpoint ``root``/``iteration``: megazero's, or Megatron-LM's (the
     true vocabulary, which Megatron stores padded, is the model's)."""
     if is_megatron_checkpoint(root, iteration):
-        return MegatronReader(root, iteration, vocab_size=config.model.vocab_size)
+        return MegatronReader(root, iteration, vocab_size=None if config.model is None
+                              else config.model.vocab_size)
     return CheckpointReader(root, iteration, verify=config.train.verify_checkpoint)
 
 
@@ -154,7 +160,7 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
         _load_rng(reader, config, ps, tracker, first)
     start = 0 if finetune else int(first["iteration"])
     consumed = 0 if finetune else int(first.get("consumed_train_samples", 0))
-    current = layout_of(ps, config.optimizer.zero_stage, config.model.make_vocab_size_divisible_by)
+    current = layout_of(ps, config.optimizer.zero_stage, vocab_divisible_by(config))
     if ps.rank == 0:
         if isinstance(reader, MegatronReader):
             logger.info("loaded %s %s (iteration %s, %s optimizer state) into tp=%d pp=%d "

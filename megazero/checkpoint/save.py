@@ -69,7 +69,13 @@ def param_meta(model_chunks) -> dict:
 def model_shape(config) -> dict:
     """The model's shape and architecture family, as ``layout.json`` stores them."""
     m = config.model
+    if m is None:  # the engine's own model: its parameters' full shapes are the check
+        return {}
     return {k: getattr(m, k) for k in (*SHAPE_KEYS, *ARCH_DEFAULTS)}
+
+
+def vocab_divisible_by(config) -> int | None:
+    return None if config.model is None else config.model.make_vocab_size_divisible_by
 
 
 def layout_of(ps: ParallelState, zero_stage: int, vocab_divisible_by: int | None = None) -> dict:
@@ -195,7 +201,7 @@ def save_checkpoint(root: str, iteration: int, *, model_chunks, optimizer, lr_sc
         rng = comm.all_gather_object(rng[0], ps.dp_group)
     folder = cell_dir(root, iteration, ps.tp_rank, ps.pp_rank, ps.pp_size)
     stage = config.optimizer.zero_stage
-    layout = layout_of(ps, stage, config.model.make_vocab_size_divisible_by)
+    layout = layout_of(ps, stage, vocab_divisible_by(config))
     state = shard = None
     if ps.dp_rank == 0:
         state = model_file_state(

@@ -35,7 +35,8 @@ from megazero.config.training import DataConfig, TrainConfig
 class MegazeroConfig:
     """The whole tree, with the checks that span several concerns."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # None: a model megazero did not build (the engine's); its shape is its parameters'
+    model: ModelConfig | None = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -43,35 +44,10 @@ class MegazeroConfig:
 
     def __post_init__(self):
         m, p, o, t = self.model, self.parallel, self.optimizer, self.train
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        dp = p.data_parallel_size
-        m.params_dtype = o.params_dtype
-        _check(m.num_attention_heads % tp == 0,
-               f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
-               f"--tensor-model-parallel-size ({tp})")
-        _check(m.kv_heads % tp == 0,
-               f"--num-query-groups ({m.kv_heads}) must be divisible by "
-               f"--tensor-model-parallel-size ({tp}): each tp rank holds whole key/value "
-               "groups (as Megatron requires)")
-        _check(m.ffn_hidden_size % tp == 0,
-               f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
-               f"--tensor-model-parallel-size ({tp})")
-        _check(m.num_layers % pp == 0,
-               f"--num-layers ({m.num_layers}) must be divisible by "
-               f"--pipeline-model-parallel-size ({pp}); megazero gives every stage the "
-               "same number of layers")
+        pp, dp = p.pipeline_model_parallel_size, p.data_parallel_size
+        if m is not None:
+            self._check_model(m, p, o)
         v = p.virtual_pipeline_model_parallel_size
-        if v is not None:
-            _check(m.num_layers % (pp * v) == 0,
-                   f"--num-layers ({m.num_layers}) must be divisible by "
-                   f"--pipeline-model-parallel-size ({pp}) x virtual stages ({v})")
-        if p.sequence_parallel:
-            _check(m.seq_length % tp == 0,
-                   f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
-                   f"--tensor-model-parallel-size ({tp})")
-        if m.partition_activations:
-            _check(m.recompute_activations,
-                   "--partition-activations needs --recompute-activations")
         if t.global_batch_size is None:
             t.global_batch_size = t.micro_batch_size * dp
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -99,6 +75,39 @@ class MegazeroConfig:
                    f"the interleaved schedule needs the number of micro-batches ({n_micro} = "
                    f"--global-batch-size / (--micro-batch-size x dp)) to be a multiple of "
                    f"--pipeline-model-parallel-size ({pp})")
+
+
+    @staticmethod
+    def _check_model(m: ModelConfig, p: ParallelConfig, o: OptimizerConfig) -> None:
+        """The GPT model's fit to the layout (the flags of both)."""
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        m.params_dtype = o.params_dtype
+        _check(m.num_attention_heads % tp == 0,
+               f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+               f"--tensor-model-parallel-size ({tp})")
+        _check(m.kv_heads % tp == 0,
+               f"--num-query-groups ({m.kv_heads}) must be divisible by "
+               f"--tensor-model-parallel-size ({tp}): each tp rank holds whole key/value "
+               "groups (as Megatron requires)")
+        _check(m.ffn_hidden_size % tp == 0,
+               f"--ffn-hidden-size ({m.ffn_hidden_size}) must be divisible by "
+               f"--tensor-model-parallel-size ({tp})")
+        _check(m.num_layers % pp == 0,
+               f"--num-layers ({m.num_layers}) must be divisible by "
+               f"--pipeline-model-parallel-size ({pp}); megazero gives every stage the "
+               "same number of layers")
+        v = p.virtual_pipeline_model_parallel_size
+        if v is not None:
+            _check(m.num_layers % (pp * v) == 0,
+                   f"--num-layers ({m.num_layers}) must be divisible by "
+                   f"--pipeline-model-parallel-size ({pp}) x virtual stages ({v})")
+        if p.sequence_parallel:
+            _check(m.seq_length % tp == 0,
+                   f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
+                   f"--tensor-model-parallel-size ({tp})")
+        if m.partition_activations:
+            _check(m.recompute_activations,
+                   "--partition-activations needs --recompute-activations")
 
     @property
     def num_microbatches(self) -> int:
@@ -140,7 +149,8 @@ class MegazeroConfig:
         def part(key, section):
             return section(**{k: v for k, v in d[key].items() if k not in _RETIRED[key]})
 
-        return cls(model=part("model", ModelConfig), parallel=part("parallel", ParallelConfig),
+        model = None if d.get("model") is None else part("model", ModelConfig)
+        return cls(model=model, parallel=part("parallel", ParallelConfig),
                    optimizer=part("optimizer", OptimizerConfig), data=part("data", DataConfig),
                    train=part("train", TrainConfig))
 

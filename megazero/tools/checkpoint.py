@@ -176,7 +176,7 @@ def _dtype_of(reader: CheckpointReader, name: str, stage: int) -> str:
             for frag in reader.shard(0, stage, d)["fragments"].get(name, []):
                 if "model" in frag:
                     return str(frag["model"].dtype).replace("torch.", "")
-    return reader.args["model"]["params_dtype"]
+    return (reader.args["model"] or reader.args["optimizer"])["params_dtype"]
 
 
 def _split(meta: dict, tp: int, stage: int, dp: int) -> str:
@@ -213,10 +213,20 @@ def describe(reader: CheckpointReader) -> dict:
                         "split": _split(meta, reader.tp, reader.stage, reader.dp)})
     files = [os.path.join(d, f) for d, _, fs in os.walk(reader.base) for f in fs]
     model = args["model"]
-    elem = torch.empty(0, dtype=getattr(torch, model["params_dtype"])).element_size()
     total = sum(t["numel"] for t in tensors)
-    return {"checkpoint": reader.root, "iteration": reader.iteration, "layout": lay,
-            "world_size": lay["tp"] * lay["pp"] * lay["dp"],
+    common = {"checkpoint": reader.root, "iteration": reader.iteration, "layout": lay,
+              "world_size": lay["tp"] * lay["pp"] * lay["dp"],
+              "consumed_train_samples": first.get("consumed_train_samples"),
+              "scheduler": first.get("opt_param_scheduler"),
+              "optimizer": _optimizer_summary(reader), "tensors": tensors,
+              "total_parameters": total,
+              "model_bytes": sum(t["numel"] * torch.empty(0, dtype=getattr(torch, t["dtype"]))
+                                 .element_size() for t in tensors),
+              "files": len(files), "bytes_on_disk": sum(os.path.getsize(f) for f in files)}
+    if model is None:  # an engine's model (megazero.initialize): no GPT settings
+        return {**common, "model": None, "architecture": {}, "padded_vocab_size": None,
+                "tokenizer": None}
+    return {**common,
             "model": {k: model.get(k) for k in (
                 "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                 "seq_length", "max_position_embeddings", "vocab_size",
@@ -225,14 +235,9 @@ def describe(reader: CheckpointReader) -> dict:
             "padded_vocab_size": padded_vocab_size(model["vocab_size"],
                                                    model["make_vocab_size_divisible_by"],
                                                    lay["tp"]),
-            "consumed_train_samples": first.get("consumed_train_samples"),
-            "scheduler": first.get("opt_param_scheduler"),
-            "optimizer": _optimizer_summary(reader),
             "tokenizer": {k: args["data"].get(k) for k in (
                 "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
-                "mock_data")},
-            "tensors": tensors, "total_parameters": total, "model_bytes": total * elem,
-            "files": len(files), "bytes_on_disk": sum(os.path.getsize(f) for f in files)}
+                "mock_data")}}
 
 
 def _architecture(model: dict) -> dict:
@@ -257,15 +262,20 @@ def format_description(d: dict) -> str:
     lines = [f"checkpoint {d['checkpoint']}  iteration {d['iteration']}",
              f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} "
              f"zero_stage={lay['zero_stage']} virtual={lay.get('virtual')} "
-             f"(world size {d['world_size']})",
-             f"model: num_layers={m['num_layers']} hidden_size={m['hidden_size']} "
-             f"num_attention_heads={m['num_attention_heads']} "
-             f"ffn_hidden_size={m['ffn_hidden_size']} seq_length={m['seq_length']} "
-             f"max_position_embeddings={m['max_position_embeddings']} "
-             f"vocab_size={m['vocab_size']} (padded {d['padded_vocab_size']} at tp="
-             f"{lay['tp']}) params_dtype={m['params_dtype']}",
-             "architecture: " + (" ".join(f"{k}={v}" for k, v in d["architecture"].items())
-                                 or "GPT-2")]
+             f"(world size {d['world_size']})"]
+    if m is None:
+        lines.append("model: trained by megazero's engine (not megazero's GPT): see the "
+                     "tensors")
+    else:
+        lines += [
+            f"model: num_layers={m['num_layers']} hidden_size={m['hidden_size']} "
+            f"num_attention_heads={m['num_attention_heads']} "
+            f"ffn_hidden_size={m['ffn_hidden_size']} seq_length={m['seq_length']} "
+            f"max_position_embeddings={m['max_position_embeddings']} "
+            f"vocab_size={m['vocab_size']} (padded {d['padded_vocab_size']} at tp="
+            f"{lay['tp']}) params_dtype={m['params_dtype']}",
+            "architecture: " + (" ".join(f"{k}={v}" for k, v in d["architecture"].items())
+                                or "GPT-2")]
     sched = d["scheduler"] or {}
     opt = d["optimizer"]
     lines.append(f"training: consumed samples {d['consumed_train_samples']}, lr schedule at "
@@ -273,8 +283,9 @@ def format_description(d: dict) -> str:
                  + (f"{opt['optimizer']} step {opt['step']}, fp32 main + "
                     f"{', '.join(opt['states'])}, loss scale {opt['scaler'].get('scale')}"
                     if opt else "not saved"))
-    tok = d["tokenizer"]
-    lines.append("tokenizer: " + ("mock data (ids)" if tok.get("mock_data") else
+    tok = d["tokenizer"] or {}
+    lines.append("tokenizer: " + ("none (an engine model)" if d["tokenizer"] is None else
+                                  "mock data (ids)" if tok.get("mock_data") else
                                   f"{tok.get('tokenizer_type')} "
                                   f"{tok.get('tokenizer_model') or tok.get('vocab_file') or ''}"))
     rows = [("tensor", "full shape", "dtype", "stage", "split")]
@@ -286,10 +297,10 @@ def format_description(d: dict) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
         if i == 0:
             lines.append("-" * (sum(widths) + 2 * 4 + len(r[4])))
-    lines += ["", f"total: {d['total_parameters']:,} parameters (tied word embedding counted "
+    dtypes = m["params_dtype"] if m else "/".join(sorted({t["dtype"] for t in d["tensors"]}))
+    lines += ["", f"total: {d['total_parameters']:,} parameters (tied weights counted "
                   f"once), {d['model_bytes']:,} bytes ({_mb(d['model_bytes'])}) in "
-                  f"{m['params_dtype']}; {d['files']} files, {_mb(d['bytes_on_disk'])} on "
-                  "disk"]
+                  f"{dtypes}; {d['files']} files, {_mb(d['bytes_on_disk'])} on disk"]
     return "\n".join(lines)
 
 
