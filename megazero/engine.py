@@ -43,7 +43,7 @@ from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
 from megazero.optim.ds_schedulers import DeepSpeedScheduler
 from megazero.optim.rules import describe_rule
-from megazero.pipe import PipelineModule
+from megazero.pipe import PipelineModule, pipeline_units
 from megazero.pipe.schedule import run_batch
 
 logger = logging.getLogger("megazero.engine")
@@ -72,8 +72,18 @@ class Engine:
             train=TrainConfig(seed=seed))
         self.gas = gradient_accumulation_steps
         self.lr_scheduler = lr_scheduler
+        policy = None
+        if isinstance(model, PipelineModule):
+            policy = pipeline_units
+            shared = [k for k in model.tied_stages
+                      if sum(k in c.tied_modules for c in model.chunks) > 1]
+            if shared and optimizer_config.zero_stage == 3:
+                raise ValueError(f"ZeRO-3: tied modules {shared} are used by several model "
+                                 "chunks of one rank (virtual stages); partition so each "
+                                 "falls in one chunk per rank, or use ZeRO stage 0-2")
         self.optimizer = build_optimizer(self.chunks, optimizer_config, self.ps,
-                                         lr_scheduler=lr_scheduler, seed=seed)
+                                         lr_scheduler=lr_scheduler, seed=seed,
+                                         unit_policy=policy)
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0

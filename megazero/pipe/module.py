@@ -38,6 +38,19 @@ from megazero.tensor_parallel.meta import update_meta
 from megazero.tensor_parallel.random import checkpoint as recompute
 
 
+class TiedUse(nn.Module):
+    """A use of a tied module through ``forward_fn(module, x)``: a module of its own, without
+    parameters, so ZeRO can gather the tied module's parameters before it runs."""
+
+    def __init__(self, key: str, module: nn.Module, forward_fn: Callable):
+        super().__init__()
+        self.key, self.forward_fn = key, forward_fn
+        self._tied = (module,)  # not registered: the parameters are tied_modules.<key>'s
+
+    def forward(self, x):
+        return self.forward_fn(self._tied[0], x)
+
+
 class PipelineStage(nn.Module):
     """One model chunk: the layers of one pipeline part, run in order. ``set_input_tensor``
     gives it the activation received from the previous stage; ``post_process`` marks the
@@ -48,6 +61,8 @@ class PipelineStage(nn.Module):
         self.part, self.pre_process, self.post_process = part, first, last
         self.checkpoint_interval = checkpoint_interval
         self.tied_modules = nn.ModuleDict()
+        self.direct_tied: set[str] = set()  # keys used as module(x) in this chunk
+        self.tied_uses: list[TiedUse] = []  # and those used through forward_fn
         self._steps: list[tuple[int, Callable]] = []  # (layer index, fn(x) -> x)
         self.input_tensor = None
 
@@ -59,8 +74,12 @@ class PipelineStage(nn.Module):
     def add_tied(self, index: int, key: str, module: nn.Module, forward_fn) -> None:
         if key not in self.tied_modules:
             self.tied_modules[key] = module
-        fn = module if forward_fn is None else (lambda x, m=module, f=forward_fn: f(m, x))
-        self._steps.append((index, fn))
+        if forward_fn is None:
+            self.direct_tied.add(key)
+            self._steps.append((index, module))
+        else:
+            self.tied_uses.append(TiedUse(key, module, forward_fn))
+            self._steps.append((index, self.tied_uses[-1]))
 
     @property
     def layer_indices(self) -> list[int]:
@@ -87,6 +106,23 @@ class PipelineStage(nn.Module):
             else:  # the first layers may take non-tensor inputs: run them plainly
                 x = self._run(start, stop, x)
         return x
+
+
+def pipeline_units(chunk: PipelineStage) -> list[tuple[str, list[nn.Module]]]:
+    """ZeRO's unit policy for a chunk: each module holding parameters directly is a unit,
+    used by itself; a tied module's units are used by the tied module where this chunk calls
+    it and by each ``TiedUse`` of its key."""
+    units = []
+    for path, mod in chunk.named_modules():
+        if not any(True for _ in mod.parameters(recurse=False)):
+            continue
+        users = [mod]
+        if path.startswith("tied_modules."):
+            key = path.split(".")[1]
+            users = ([mod] if key in chunk.direct_tied else []) \
+                + [u for u in chunk.tied_uses if u.key == key]
+        units.append((path, users))
+    return units
 
 
 class PipelineModule(nn.Module):
@@ -235,4 +271,4 @@ class PipelineModule(nn.Module):
         return x
 
 
-__all__ = ["PipelineModule", "PipelineStage"]
+__all__ = ["PipelineModule", "PipelineStage", "TiedUse", "pipeline_units"]
