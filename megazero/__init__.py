@@ -104,5 +104,22 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
                                               is_package=is_package)
 
 
+# DeepSpeed's top-level names (``import megazero as deepspeed``), imported on first use
+_DEEPSPEED_NAMES = {"add_config_arguments": "megazero.arguments",
+                    "init_distributed": "megazero.engine",
+                    "PipelineModule": "megazero.pipe", "LayerSpec": "megazero.pipe",
+                    "TiedLayerSpec": "megazero.pipe"}
+_SUBPACKAGES = {"pipe", "zero"}
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        target = "megazero.data_parallel" if name == "zero" else f"megazero.{name}"
+        return importlib.import_module(target)
+    if name in _DEEPSPEED_NAMES:
+        return getattr(importlib.import_module(_DEEPSPEED_NAMES[name]), name)
+    raise AttributeError(f"module 'megazero' has no attribute {name!r}")
+
+
 if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
     sys.meta_path.insert(0, _MovedFinder())

@@ -174,6 +174,9 @@ def _add_optimizer_args(parser):
           help="all-gather updated parameters inside the optimizer step instead")
     g.add("--zero-param-persistence-threshold", type=int)
     g.add("--no-zero-prefetch", field="zero_prefetch", action="store_false")
+    g.add("--zero-max-live-parameters", type=int,
+          help="ZeRO-3: prefetch the next unit only while the gathered parameters stay at or "
+               "below this many elements (DeepSpeed's stage3_max_live_parameters)")
     g.add("--no-zero3-order-check", field="zero3_order_check", action="store_false",
           help="skip ZeRO-3's check that dp ranks issue collectives in one order (a tiny "
                "all-gather before each; on by default)")
@@ -275,6 +278,13 @@ def _add_training_args(parser):
     for name in ("no-save-optim", "no-save-rng", "no-load-optim", "no-load-rng", "finetune",
                  "use-checkpoint-args", "exit-on-missing-checkpoint"):
         g.add(f"--{name}", action="store_true")
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's ``deepspeed.add_config_arguments(parser)``: ``--deepspeed`` and
+    ``--deepspeed_config`` on the user's own parser (``initialize(args=...)`` reads them)."""
+    _add_deepspeed_args(parser)
+    return parser
 
 
 def _add_deepspeed_args(parser):

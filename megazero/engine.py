@@ -39,6 +39,7 @@ from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, Tra
 from megazero.config.deepspeed import DeepSpeedConfigError, parse_ds_config
 from megazero.data_parallel import build_optimizer
 from megazero.distributed import comm
+from megazero.distributed.init import init_distributed as _init_distributed
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
 from megazero.optim.ds_schedulers import DeepSpeedScheduler
@@ -89,6 +90,9 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm = None
         self.micro_batch_size = micro_batch_size
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # DeepSpeed's attributes
+        self.global_rank = self.ps.rank
+        self.device = self.ps.device if self.ps.device is not None else torch.device("cpu")
         self.training_dataloader = None  # initialize(training_data=...)'s loader
         self._loader_iter = None
         self.steps_per_print = steps_per_print
@@ -312,6 +316,18 @@ def from_ds_config(model: torch.nn.Module, ds_config, ps: ParallelState | None =
                   steps_per_print=settings.fields.get("train.log_interval"))
 
 
+def init_distributed(dist_backend: str | None = None, *, timeout=None, **_ignored_launcher):
+    """DeepSpeed's ``deepspeed.init_distributed()``: the default process group from the
+    launcher's environment (torchrun's RANK, WORLD_SIZE, MASTER_ADDR; one process without
+    it), gloo on CPU and NCCL with GPUs unless ``dist_backend`` says otherwise. Returns the
+    data-parallel ``ParallelState`` of the world (build others with ``ParallelState.build``)."""
+    from_launcher = int(os.environ.get("WORLD_SIZE", "1"))
+    values = {"world_size": from_launcher, "distributed_backend": dist_backend}
+    if timeout is not None:
+        values["distributed_timeout_minutes"] = max(1, int(timeout.total_seconds() // 60))
+    return _init_distributed(ParallelConfig(**values))
+
+
 def _repeat(loader):
     """DeepSpeed's ``RepeatingLoader``: epochs of ``loader`` without end."""
     while True:
@@ -365,4 +381,4 @@ def initialize(model: torch.nn.Module | None = None,
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-__all__ = ["Engine", "build_lr_scheduler", "from_ds_config", "initialize"]
+__all__ = ["Engine", "build_lr_scheduler", "from_ds_config", "init_distributed", "initialize"]

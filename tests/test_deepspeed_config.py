@@ -88,7 +88,7 @@ INVALID = [  # (config, the text the message must hold)
      "zero_optimization.allgather_bucket_size"),
     (_with(ZERO2, "zero_optimization.contiguous_gradients", False),
      "zero_optimization.contiguous_gradients"),
-    (_with(ZERO2, "zero_optimization.stage3_max_live_parameters", 10**9),
+    (_with(ZERO2, "zero_optimization.stage3_max_live_parameters", 0),
      "zero_optimization.stage3_max_live_parameters"),
     (_with(ZERO2, "zero_optimization.sub_group_size", 10**9),
      "zero_optimization.sub_group_size"),
@@ -136,6 +136,9 @@ def test_tutorial_configs_translate():
     z3 = parse_ds_config(ZERO3, world_size=2).fields
     assert z3["optimizer.zero_stage"] == 3 and z3["optimizer.zero_prefetch"]
     assert z3["optimizer.zero_param_persistence_threshold"] == 100
+    live = parse_ds_config(_with(ZERO3, "zero_optimization.stage3_max_live_parameters", 10**6),
+                           world_size=2).fields
+    assert live["optimizer.zero_max_live_parameters"] == 10**6
 
 
 def test_file_errors_name_the_file(tmp_path):

@@ -313,3 +313,38 @@ def test_overlap_is_really_asynchronous(stage):
         assert r[0] >= 1 and r[1] >= 1 and r[2] == 0, r
     for r in off:
         assert r == (0, 0, 0), r
+
+
+def _zero3_max_live(limit):
+    from megazero.config import OptimizerConfig
+    from megazero.distributed.parallel_state import ParallelState
+    from megazero.engine import initialize
+
+    ps = ParallelState.build()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+    engine = initialize(model, OptimizerConfig(zero_stage=3, zero_max_live_parameters=limit,
+                                               zero_reduce_bucket_size=64 * 64), ps)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(3, 64)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses, engine.memory_report()["gathered_peak"]
+
+
+def test_zero3_max_live_parameters_limits_prefetch_not_results():
+    """DeepSpeed's stage3_max_live_parameters: with room for one layer only, nothing is
+    prefetched (the peak of gathered bytes is one layer's), and the training is the same."""
+    from tests.dist_helper import run_distributed
+
+    free = run_distributed(_zero3_max_live, 2, None)
+    tight = run_distributed(_zero3_max_live, 2, 64 * 64)
+    layer_bytes = 64 * 64 * 4
+    for (l_free, peak_free), (l_tight, peak_tight) in zip(free, tight):
+        assert l_tight == l_free
+        assert peak_free >= 2 * layer_bytes  # the current and the prefetched layer
+        assert peak_tight == layer_bytes

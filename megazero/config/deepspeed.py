@@ -56,7 +56,8 @@ SCHEMA = {
         "offload_param": {"device": _choice("none")}, "overlap_comm": _BOOL,
         "contiguous_gradients": _choice(True), "reduce_bucket_size": _int(1),
         "allgather_bucket_size": _int(1), "stage3_prefetch_bucket_size": _int(0),
-        "stage3_param_persistence_threshold": _int(0), "reduce_scatter": _choice(True),
+        "stage3_param_persistence_threshold": _int(0), "stage3_max_live_parameters": _int(1),
+        "reduce_scatter": _choice(True),
         "allgather_partitions": _choice(True)},
     "activation_checkpointing": {"partition_activations": _BOOL,
                                  "contiguous_memory_optimization": _choice(False),
@@ -97,8 +98,6 @@ REFUSED = {
     "activation_checkpointing.number_checkpoints": "use --recompute-num-layers",
     "activation_checkpointing.synchronize_checkpoint_boundary": "drop it",
     "activation_checkpointing.profile": "use --log-timers",
-    "zero_optimization.stage3_max_live_parameters": "megazero's ZeRO-3 holds the current and "
-                                                    "the prefetched unit gathered; drop it",
     "zero_optimization.stage3_max_reuse_distance": "drop it (megazero frees each unit after "
                                                    "its forward and backward)",
     "zero_optimization.sub_group_size": "drop it (megazero steps each dp partition at once)",
@@ -358,6 +357,8 @@ def _zero(z: dict, f: dict) -> None:
         f["optimizer.zero_reduce_bucket_size"] = reduce or gather
     if "stage3_prefetch_bucket_size" in z:
         f["optimizer.zero_prefetch"] = z["stage3_prefetch_bucket_size"] > 0
+    if "stage3_max_live_parameters" in z:
+        f["optimizer.zero_max_live_parameters"] = z["stage3_max_live_parameters"]
     if "stage3_param_persistence_threshold" in z:
         f["optimizer.zero_param_persistence_threshold"] = \
             z["stage3_param_persistence_threshold"]

@@ -97,6 +97,9 @@ class OptimizerConfig:
     overlap_param_gather: bool = True  # updated parameters gathered during the next forward
     zero_param_persistence_threshold: int = 0  # elements; params at or below stay whole
     zero_prefetch: bool = True
+    # ZeRO-3: no prefetch once it would hold more parameter elements gathered than this
+    # (DeepSpeed's stage3_max_live_parameters); None: no limit
+    zero_max_live_parameters: int | None = None
     zero3_order_check: bool = True  # all-gather (kind, bucket, seq) before each collective
     cpu_offload: bool = False
     cpu_torch_adam: bool = False
@@ -144,6 +147,7 @@ class OptimizerConfig:
         _optional_int_at_least(self.zero_reduce_bucket_size, "--zero-reduce-bucket-size", 1)
         _int_at_least(self.zero_param_persistence_threshold,
                       "--zero-param-persistence-threshold", 0)
+        _optional_int_at_least(self.zero_max_live_parameters, "--zero-max-live-parameters", 1)
         _finite(self.clip_grad, "--clip-grad", positive=False)
         _int_at_least(self.hysteresis, "--hysteresis", 1)
         _int_at_least(self.loss_scale_window, "--loss-scale-window", 1)

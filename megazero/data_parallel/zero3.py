@@ -180,6 +180,7 @@ class Zero3Optimizer(ZeroOptimizer):
         storage = PartitionedParams(layout, pb, dtype, ps.device, fill=fill)
         gatherer = UnitGatherer(layout, units, storage.owned_chunk, ps.dp_group, dtype=dtype,
                                 device=ps.device, prefetch=opt_config.zero_prefetch,
+                                max_live=opt_config.zero_max_live_parameters,
                                 check_order=opt_config.zero3_order_check)
         if ps.dp_size == 1:  # nothing to gather: parameters are views of the partition
             for unit in units:

@@ -100,11 +100,13 @@ class UnitGatherer:
     """
 
     def __init__(self, layout: FlatLayout, units: list[Unit], owned_chunk, dp_group, *,
-                 dtype: torch.dtype, device: torch.device, prefetch: bool, check_order: bool):
+                 dtype: torch.dtype, device: torch.device, prefetch: bool, check_order: bool,
+                 max_live: int | None = None):
         self.layout, self.units, self.owned_chunk = layout, units, owned_chunk
         self.dp_group, self.dp_size = dp_group, comm.group_size(dp_group)
         self.dtype, self.device = dtype, device
         self.prefetch, self.check_order = prefetch, check_order
+        self.max_live = max_live  # elements gathered beyond which nothing is prefetched
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         # Buffers are made from this prototype (``new_empty``): gathers also run in module
         # backward hooks, where a fake tensor (the dry run) carries its mode and a factory
@@ -163,8 +165,15 @@ class UnitGatherer:
         self.materialize(unit, fulls)
         nxt = unit.index + direction
         if self.prefetch and prefetch and 0 <= nxt < len(self.units) \
-                and self.units[nxt].chunk == unit.chunk:
+                and self.units[nxt].chunk == unit.chunk and self._fits(self.units[nxt]):
             self._prefetch(self.units[nxt])
+
+    def _fits(self, unit: Unit) -> bool:
+        """Whether gathering ``unit`` too keeps the live elements within ``max_live``."""
+        if self.max_live is None:
+            return True
+        extra = sum(self.layout.buckets[b].numel for b in unit.buckets if b not in self.inflight)
+        return self.live_bytes // self.itemsize + extra <= self.max_live
 
     def _prefetch(self, unit: Unit) -> None:
         if unit.gathered:
