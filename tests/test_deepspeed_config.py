@@ -345,3 +345,40 @@ def test_the_chosen_update_is_named():
     assert name(use_fused_step=False).endswith("(--no-fused-optimizer-step)")
     assert name(cpu_torch_adam=True) == "torch.optim.AdamW (fused)"
     assert name(optimizer="lamb").startswith("LAMB") and name(optimizer="sgd").startswith("SGD")
+
+
+def _tutorial_engine_worker(cfg):
+    import megazero
+    from megazero.distributed.parallel_state import ParallelState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    engine, _, _, _ = megazero.initialize(model=model, model_parameters=model.parameters(),
+                                          config=cfg, parallel_state=ParallelState.build())
+    g = torch.Generator().manual_seed(7 + engine.ps.dp_rank)
+    mb = engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for _ in range(2 * engine.gradient_accumulation_steps()):
+        x, y = torch.randn(mb, 8, generator=g), torch.randn(mb, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses, engine.global_steps, engine.config.optimizer.zero_stage
+
+
+@pytest.mark.parametrize("name", ["ZERO2", "OFFLOAD", "ZERO3"])
+def test_tutorial_configs_run_through_both_entry_points(tmp_path, name):
+    """The ZeRO, ZeRO-Offload and ZeRO-3 tutorial configs, unchanged: two optimizer steps
+    through megazero.initialize on two ranks, and three iterations of pretrain_gpt2's loop."""
+    cfg = {"ZERO2": ZERO2, "OFFLOAD": OFFLOAD, "ZERO3": ZERO3}[name]
+    for losses, steps, stage in run_distributed(_tutorial_engine_worker, 2, cfg):
+        assert steps == 2 and stage == cfg["zero_optimization"]["stage"]
+        assert all(math.isfinite(v) for v in losses)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    base = TINY.replace("--clip-grad 1.0 --weight-decay 0.1", "") \
+        .replace("--micro-batch-size 2 --global-batch-size 8 ", "").replace("--lr 1e-3 ", "")
+    losses, _, _ = run_training(base + f" --train-iters 3 --deepspeed --deepspeed_config {path}",
+                                2)
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
