@@ -92,6 +92,9 @@ def _add_model_args(parser):
           type=int, help="layers per recompute chunk")
     g.add("--partition-activations", "--distribute-checkpointed-activations",
           action="store_true", help="split each recompute chunk's saved input across tp ranks")
+    g.add("--checkpoint-in-cpu", action="store_true",
+          help="keep each recompute chunk's saved input in host memory until its backward "
+               "(Megatron-DeepSpeed's flag; DeepSpeed's cpu_checkpointing)")
     g.add("--no-bias-gelu-fusion", field="bias_gelu_fusion", action="store_false")
     g.add("--no-bias-dropout-fusion", field="bias_dropout_fusion", action="store_false")
     g.add("--no-bias-swiglu-fusion", field="bias_swiglu_fusion", action="store_false")

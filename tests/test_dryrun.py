@@ -212,3 +212,17 @@ def test_dry_run_rejects_an_impossible_layout():
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "world size (12) is not divisible by --tensor-model-parallel-size (8)" in done.stderr
+
+
+def test_checkpoint_in_cpu_moves_saved_activations_off_the_device():
+    """--checkpoint-in-cpu (DeepSpeed's cpu_checkpointing): the recompute chunks' saved inputs
+    wait in host memory, so one rank's measured device peak (during the backward, with the
+    saved inputs of the layers not yet back-propagated alive) drops by about those bytes."""
+    flags = ("--tensor-model-parallel-size 2 --global-batch-size 32 --zero-stage 1 "
+             "--recompute-activations --seq-length 256 --max-position-embeddings 256 "
+             "--micro-batch-size 8")
+    plain, _ = dry_run_cli(flags, 1, 8, peers=False)
+    offloaded, _ = dry_run_cli(flags + " --checkpoint-in-cpu", 1, 8, peers=False)
+    saved_input = 256 * 8 * 32 * 4  # [s, b, h] fp32, one per layer
+    drop = plain["peak_bytes"] - offloaded["peak_bytes"]
+    assert 4 * saved_input <= drop <= 8 * saved_input, (plain["peak_bytes"], drop)

@@ -108,6 +108,8 @@ class MegazeroConfig:
         if m.partition_activations:
             _check(m.recompute_activations,
                    "--partition-activations needs --recompute-activations")
+        if m.checkpoint_in_cpu:
+            _check(m.recompute_activations, "--checkpoint-in-cpu needs --recompute-activations")
 
     @property
     def num_microbatches(self) -> int:

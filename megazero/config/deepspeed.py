@@ -61,7 +61,7 @@ SCHEMA = {
         "allgather_partitions": _choice(True)},
     "activation_checkpointing": {"partition_activations": _BOOL,
                                  "contiguous_memory_optimization": _choice(False),
-                                 "cpu_checkpointing": _choice(False)},
+                                 "cpu_checkpointing": _BOOL},
     "tensorboard": {"enabled": _BOOL, "output_path": _STR, "job_name": _STR},
     "wandb": {"enabled": _BOOL, "project": _STR},
 }
@@ -285,6 +285,9 @@ def parse_ds_config(source, world_size: int, tp: int = 1, pp: int = 1) -> DeepSp
     if ac.get("partition_activations"):
         f["model.recompute_activations"] = True
         f["model.partition_activations"] = True
+    if ac.get("cpu_checkpointing"):
+        f["model.recompute_activations"] = True
+        f["model.checkpoint_in_cpu"] = True
     if "steps_per_print" in cfg:
         f["train.log_interval"] = cfg["steps_per_print"]
     if cfg.get("wall_clock_breakdown"):

@@ -62,6 +62,7 @@ class ModelConfig:
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1
     partition_activations: bool = False
+    checkpoint_in_cpu: bool = False  # recompute chunks' saved inputs kept in host memory
     # fused kernels (used when built; PyTorch reference otherwise)
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True

@@ -201,7 +201,8 @@ class GPTModel(nn.Module):
                     h = layer(h, mask, rotary=rotary)
                 return h
 
-            x = checkpoint(run, x, tracker=self.tracker, partition_group=group) \
+            x = checkpoint(run, x, tracker=self.tracker, partition_group=group,
+                           offload=cfg.checkpoint_in_cpu) \
                 if i < recomputed else run(x)
         return x
 

@@ -140,7 +140,7 @@ def _gather_partition(part: torch.Tensor, shape, group) -> torch.Tensor:
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, tracker, partition_group, *args):
+    def forward(ctx, fn, tracker, partition_group, offload, *args):
         ctx.fn, ctx.tracker, ctx.partition_group = fn, tracker, partition_group
         ctx.rng = _get_states()
         ctx.tracker_states = tracker.get_states() if tracker is not None else None
@@ -158,6 +158,10 @@ class _CheckpointFunction(torch.autograd.Function):
                     tensors.append(a)
             else:
                 ctx.layout.append(("o", a, False))
+        # offload: the saved inputs wait in host memory (DeepSpeed's cpu_checkpointing)
+        ctx.devices = [t.device for t in tensors]
+        if offload:
+            tensors = [t.to("cpu") if t.device.type != "cpu" else t for t in tensors]
         ctx.save_for_backward(*tensors)
         return outputs
 
@@ -170,6 +174,8 @@ class _CheckpointFunction(torch.autograd.Function):
                 inputs.append(ref)
                 continue
             t = saved[ref]
+            if t.device != ctx.devices[ref]:  # offloaded: back to the device
+                t = t.to(ctx.devices[ref])
             if kind == "p":
                 t = _gather_partition(t, ctx.part_shape, ctx.partition_group)
             t = t.detach()
@@ -195,14 +201,16 @@ class _CheckpointFunction(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(t.grad if torch.is_tensor(t) and t.requires_grad else None
                             for t in inputs)
-        return (None, None, None, *input_grads)
+        return (None, None, None, None, *input_grads)
 
 
-def checkpoint(fn, *args, tracker: RNGStatesTracker | None = None, partition_group=None):
+def checkpoint(fn, *args, tracker: RNGStatesTracker | None = None, partition_group=None,
+               offload: bool = False):
     """Recompute ``fn(*args)`` in backward instead of storing its activations.
 
     Forward: run ``fn`` without autograd, remember the RNG states (CPU, CUDA, ``tracker``).
     Backward: restore those states, re-run ``fn`` with autograd, back-propagate, and put the
-    RNG states back. With ``partition_group``, ``args[0]`` is stored split across the group.
+    RNG states back. With ``partition_group``, ``args[0]`` is stored split across the group;
+    with ``offload``, the stored tensors wait in host memory until the backward.
     """
-    return _CheckpointFunction.apply(fn, tracker, partition_group, *args)
+    return _CheckpointFunction.apply(fn, tracker, partition_group, offload, *args)
