@@ -21,7 +21,8 @@ other stages are refused with the stages named.
 Between stages travels one floating tensor per micro-batch (its shape may change from batch to
 batch; the first stage's input and the last stage's output may be anything). With
 ``activation_checkpoint_interval = k`` every k consecutive layers of a chunk are recomputed in
-backward (``tensor_parallel.random.checkpoint``: RNG states restored, bit-identical).
+backward (``tensor_parallel.random.checkpoint``: the CPU/CUDA RNG states and those of
+``rng_tracker``, megazero's tp dropout streams, restored: bit-identical).
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ class PipelineStage(nn.Module):
     gives it the activation received from the previous stage; ``post_process`` marks the
     part holding the model's last layer (the schedule computes the loss there)."""
 
-    def __init__(self, part: int, first: bool, last: bool, checkpoint_interval: int):
+    def __init__(self, part: int, first: bool, last: bool, checkpoint_interval: int,
+                 tracker=None):
         super().__init__()
         self.part, self.pre_process, self.post_process = part, first, last
+        self.tracker = tracker
         self.checkpoint_interval = checkpoint_interval
         self.tied_modules = nn.ModuleDict()
         self.direct_tied: set[str] = set()  # keys used as module(x) in this chunk
@@ -102,7 +105,8 @@ class PipelineStage(nn.Module):
         for start in range(0, n, k):
             stop = min(start + k, n)
             if torch.is_tensor(x) and x.is_floating_point():
-                x = recompute(lambda t, a=start, b=stop: self._run(a, b, t), x)
+                x = recompute(lambda t, a=start, b=stop: self._run(a, b, t), x,
+                              tracker=self.tracker)
             else:  # the first layers may take non-tensor inputs: run them plainly
                 x = self._run(start, stop, x)
         return x
@@ -132,9 +136,14 @@ class PipelineModule(nn.Module):
     def __init__(self, layers, num_stages: int | None = None, *, loss_fn=None,
                  partition_method="parameters", parallel_state: ParallelState | None = None,
                  topology=None, virtual_stages: int = 1, activation_checkpoint_interval: int = 0,
-                 base_seed: int = 1234, seed_layers: bool = True, partition_device="meta"):
+                 base_seed: int = 1234, seed_layers: bool = True, partition_device="meta",
+                 rng_tracker=None):
         super().__init__()
         ps = parallel_state if parallel_state is not None else topology
+        if ps is not None and not isinstance(ps, ParallelState):
+            raise TypeError(f"PipelineModule topology/parallel_state must be a megazero "
+                            f"ParallelState (ParallelState.build(tp_size, pp_size)), not "
+                            f"{type(ps).__name__}")
         if ps is None:
             ps = ParallelState.build(pp_size=num_stages or 1)
         if num_stages is not None and num_stages != ps.pp_size:
@@ -163,6 +172,7 @@ class PipelineModule(nn.Module):
         self.layer_classes = classes
         self.tied_stages = self._tied_stages()
         self._tied_local: dict[str, nn.Module] = {}  # one copy per rank, shared by its chunks
+        self.rng_tracker = rng_tracker  # restored with the CPU/CUDA RNG when recomputing
         self.chunks = nn.ModuleList([self._build_chunk(ps.pp_rank + c * ps.pp_size,
                                                        activation_checkpoint_interval)
                                      for c in range(virtual_stages)])
@@ -181,7 +191,10 @@ class PipelineModule(nn.Module):
                     counts.append(0)
                     continue
                 seen.add(key)
-                with torch.device(device):
+                try:  # cheap: no storage
+                    with torch.device(device):
+                        module = spec.build()
+                except Exception:  # noqa: BLE001 - a constructor that needs real data
                     module = spec.build()
             else:
                 module = spec
@@ -223,7 +236,7 @@ class PipelineModule(nn.Module):
     def _build_chunk(self, part: int, interval: int) -> PipelineStage:
         n_parts = len(self.parts) - 1
         stage = PipelineStage(part, first=part == 0, last=part == n_parts - 1,
-                              checkpoint_interval=interval)
+                              checkpoint_interval=interval, tracker=self.rng_tracker)
         first_use: dict[str, int] = {}
         for i, spec in enumerate(self.specs):
             if isinstance(spec, TiedLayerSpec):
