@@ -73,6 +73,10 @@ class Engine:
             train=TrainConfig(seed=seed))
         self.gas = gradient_accumulation_steps
         self.lr_scheduler = lr_scheduler
+        dtype = getattr(torch, optimizer_config.params_dtype)
+        if dtype != torch.float32:  # DeepSpeed's engine: module.half() / module.bfloat16()
+            for chunk in self.chunks:  # (in place: the parameters and their metadata stay)
+                chunk.to(dtype)
         policy = None
         if isinstance(model, PipelineModule):
             policy = pipeline_units

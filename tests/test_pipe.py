@@ -148,7 +148,7 @@ def test_train_batch_checks_the_batch_and_the_stage_output():
 
 # ---- every layout against one process --------------------------------------------------------
 def _train(tp, pp, zero, steps, virtual=1, method="type:Block", interval=0, save=None,
-           load=None, first=1):
+           load=None, first=1, bf16=False):
     import megazero
     from megazero.distributed.parallel_state import ParallelState
 
@@ -157,7 +157,10 @@ def _train(tp, pp, zero, steps, virtual=1, method="type:Block", interval=0, save
     model = script.build_model(ps, virtual_stages=virtual, partition_method=method,
                                activation_checkpoint_interval=interval)
     config = script.ds_config(zero)
+    if bf16:
+        config["bf16"] = {"enabled": True}
     engine, _, _, scheduler = megazero.initialize(model=model, config=config)
+    dtypes = {p.dtype for p in model.parameters()}
     client = None
     if load is not None:
         path, client = engine.load_checkpoint(load)
@@ -175,7 +178,7 @@ def _train(tp, pp, zero, steps, virtual=1, method="type:Block", interval=0, save
         engine.save_checkpoint(save, tag="t", client_state={"next_step": first + steps,
                                                            "note": "from the 3D run"})
     return {"history": history, "eval": evals, "client": client,
-            "steps": engine.global_steps}
+            "steps": engine.global_steps, "dtypes": dtypes}
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +206,21 @@ def test_every_layout_reproduces_the_single_process_run(reference, tp, pp, zero,
     for r in results:  # every rank returns the same loss (broadcast from the last stage)
         _same(r["history"], reference["history"])
         assert r["eval"] == pytest.approx(reference["eval"], rel=1e-5)
+
+
+def test_bf16_config_trains_a_bf16_model_at_every_layout():
+    """ds_config bf16: the engine casts the user's model to bf16 (DeepSpeed's module.bfloat16())
+    and its floating inputs; the pipeline passes bf16 activations. pp2 x dp2 follows the
+    single-process bf16 run closely, and differs from the fp32 run."""
+    one = run_distributed(_train, 1, 1, 1, 1, 4, bf16=True)[0]
+    four = run_distributed(_train, 4, 1, 2, 2, 4, bf16=True)
+    fp32 = run_distributed(_train, 1, 1, 1, 1, 4)[0]
+    assert one["dtypes"] == {torch.bfloat16}
+    for r in four:
+        assert r["dtypes"] == {torch.bfloat16}
+        for (la, _, _), (lb, _, _) in zip(r["history"], one["history"]):
+            assert la == pytest.approx(lb, rel=1e-3)
+    assert [h[0] for h in one["history"]] != [h[0] for h in fp32["history"]]
 
 
 def test_checkpoint_resumes_at_another_layout_with_its_client_state(reference, tmp_path):

@@ -37,13 +37,23 @@ def _loss(loss_fn, labels, output):
     return loss.reshape(()), {"loss": loss.detach().reshape(())}
 
 
-def _forward_step(loss_fn, data_iterator, chunk):
+def _to(x, dtype):
+    """Floating tensors of ``x`` (a tensor, or a tuple/list of them) in ``dtype``."""
+    if torch.is_tensor(x):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(t, dtype) for t in x)
+    return x
+
+
+def _forward_step(loss_fn, dtype, data_iterator, chunk):
     inputs = labels = None
     if chunk.pre_process or chunk.post_process:
         if data_iterator is None:
             raise ValueError("train_batch/eval_batch: the first and last pipeline stages "
                              "need a data iterator")
         inputs, labels = _split_batch(next(data_iterator))
+        inputs = _to(inputs, dtype)  # fp16/bf16 models take their floating inputs so
     output = chunk(inputs)
     if not chunk.post_process and not (torch.is_tensor(output)
                                        and output.is_floating_point()):
@@ -68,12 +78,13 @@ def run_batch(module: PipelineModule, data_iter, *, num_microbatches: int, loss_
     averaged over dp, on every rank (fp32 scalar on ``ps.device``)."""
     ps = module.ps
     schedule = get_forward_backward_func(ps.pp_size, module.virtual_stages)
-    losses = schedule(forward_step_func=partial(_forward_step, module.loss_fn),
+    dtype = activation_dtype(module)
+    losses = schedule(forward_step_func=partial(_forward_step, module.loss_fn, dtype),
                       data_iterator=[data_iter] * len(module.chunks)
                       if len(module.chunks) > 1 else data_iter, model=list(module.chunks),
                       num_microbatches=num_microbatches, ps=ps, forward_only=forward_only,
                       loss_scale=loss_scale, no_sync=no_sync, tensor_shape=None,
-                      dtype=activation_dtype(module))
+                      dtype=dtype)
     loss = torch.zeros((), dtype=torch.float32, device=ps.device)
     if ps.is_last_stage:
         loss += torch.stack([d["loss"].float() for d in losses]).mean()
