@@ -277,3 +277,34 @@ def test_custom_3d_script_tp2_pp2_dp2_under_torchrun_matches_one_process():
     for (la, ga), (lb, gb) in zip(three_d, one):
         assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-5)
     assert one[-1][0] < one[0][0]  # and it learns
+
+
+def _varying_shapes(dynamic):
+    import megazero
+    from megazero.distributed.parallel_state import ParallelState
+
+    ps = ParallelState.build(1, 2)
+    model = PipelineModule([LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 1)],
+                           num_stages=2, parallel_state=ps, partition_method="uniform",
+                           loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+                           dynamic_shapes=dynamic)
+    engine, _, _, _ = megazero.initialize(model=model, config={"train_batch_size": 2})
+    g = torch.Generator().manual_seed(0)
+    learnt = []
+    for rows in (3, 3, 5):  # the third batch's activations are [5, 4], not [3, 4]
+        if rows == 5 and not dynamic:
+            assert learnt == [(3, 4), (3, 4)]
+        batch = [(torch.randn(rows, 4, generator=g), torch.randn(rows, 1, generator=g))] * 2
+        engine.train_batch(iter(batch))
+        learnt.append(model.activation_shape)
+    return learnt
+
+
+def test_activation_shape_is_learnt_once_unless_dynamic():
+    """The first batch's shape messages fix the shape (no shape round afterwards, as
+    DeepSpeed); a later batch of another shape fails on the sending stage, naming both shapes
+    and dynamic_shapes=True, with which it trains."""
+    for learnt in run_distributed(_varying_shapes, 2, True):
+        assert learnt == [None, None, None]
+    with pytest.raises(Exception, match=r"shape \(5, 4\)[^\n]*\(3, 4\)[\s\S]*dynamic_shapes"):
+        run_distributed(_varying_shapes, 2, False, fresh=True, timeout=60)

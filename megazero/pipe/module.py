@@ -18,8 +18,10 @@ Megatron's word embedding: both stages hold a copy, their ``tied_weight_attr`` g
 all-reduced over ``ps.embedding_group`` and counted once in the gradient norm. Ties between
 other stages are refused with the stages named.
 
-Between stages travels one floating tensor per micro-batch (its shape may change from batch to
-batch; the first stage's input and the last stage's output may be anything). With
+Between stages travels one floating tensor per micro-batch (the first stage's input and the
+last stage's output may be anything). Its shape is learnt on the first batch and fixed after,
+when all stages sent one shape; ``dynamic_shapes=True`` sends a shape message before every
+tensor instead, for activations that change shape from batch to batch. With
 ``activation_checkpoint_interval = k`` every k consecutive layers of a chunk are recomputed in
 backward (``tensor_parallel.random.checkpoint``: the CPU/CUDA RNG states and those of
 ``rng_tracker``, megazero's tp dropout streams, restored: bit-identical).
@@ -137,7 +139,7 @@ class PipelineModule(nn.Module):
                  partition_method="parameters", parallel_state: ParallelState | None = None,
                  topology=None, virtual_stages: int = 1, activation_checkpoint_interval: int = 0,
                  base_seed: int = 1234, seed_layers: bool = True, partition_device="meta",
-                 rng_tracker=None):
+                 rng_tracker=None, dynamic_shapes: bool = False):
         super().__init__()
         ps = parallel_state if parallel_state is not None else topology
         if ps is not None and not isinstance(ps, ParallelState):
@@ -173,6 +175,9 @@ class PipelineModule(nn.Module):
         self.tied_stages = self._tied_stages()
         self._tied_local: dict[str, nn.Module] = {}  # one copy per rank, shared by its chunks
         self.rng_tracker = rng_tracker  # restored with the CPU/CUDA RNG when recomputing
+        # activations between stages: one shape learnt on the first batch (None: not yet),
+        # or with dynamic_shapes a shape message before every exchange
+        self.dynamic_shapes, self.activation_shape = dynamic_shapes, None
         self.chunks = nn.ModuleList([self._build_chunk(ps.pp_rank + c * ps.pp_size,
                                                        activation_checkpoint_interval)
                                      for c in range(virtual_stages)])

@@ -1,6 +1,10 @@
 """One batch of a ``PipelineModule`` through megazero's schedules (the engine's ``train_batch``
 and ``eval_batch``), over the pp group, with the loss averaged over the dp group.
 
+Between stages, the first batch sends a shape message before each tensor; if all the tensors
+the stages sent had one shape, later batches run at that fixed shape (a tensor of another
+shape then fails naming both, unless ``PipelineModule(dynamic_shapes=True)``).
+
 Each ``next(data_iter)`` is one micro-batch ``(inputs, labels)`` as in DeepSpeed: the rank of
 the first stage feeds ``inputs`` to the first layer, the rank of the last stage gives the last
 layer's output and ``labels`` to ``loss_fn`` (without one, the output is the loss). Other
@@ -72,6 +76,17 @@ def activation_dtype(module: PipelineModule) -> torch.dtype:
     return torch.float32
 
 
+def _learn_shape(module: PipelineModule, sent: set) -> None:
+    """After the first batch: if every stage sent tensors of one shape, later batches run at
+    that fixed shape, without a shape message before each exchange (DeepSpeed likewise sends
+    its pipeline's shapes once); otherwise they keep sending shapes."""
+    shapes = set()
+    for s in comm.all_gather_object(sorted(sent), module.ps.pp_group):
+        shapes.update(tuple(x) for x in s)
+    module.activation_shape = shapes.pop() if len(shapes) == 1 else None
+    module.dynamic_shapes = module.activation_shape is None
+
+
 def run_batch(module: PipelineModule, data_iter, *, num_microbatches: int, loss_scale=1.0,
               no_sync=None, forward_only: bool = False) -> torch.Tensor:
     """Forward (and backward) ``num_microbatches`` micro-batches; returns the mean loss,
@@ -79,12 +94,17 @@ def run_batch(module: PipelineModule, data_iter, *, num_microbatches: int, loss_
     ps = module.ps
     schedule = get_forward_backward_func(ps.pp_size, module.virtual_stages)
     dtype = activation_dtype(module)
+    shape = module.activation_shape if ps.pp_size > 1 and not module.dynamic_shapes else None
+    learn = ps.pp_size > 1 and not module.dynamic_shapes and shape is None
+    sent: set | None = set() if learn else None
     losses = schedule(forward_step_func=partial(_forward_step, module.loss_fn, dtype),
                       data_iterator=[data_iter] * len(module.chunks)
                       if len(module.chunks) > 1 else data_iter, model=list(module.chunks),
                       num_microbatches=num_microbatches, ps=ps, forward_only=forward_only,
-                      loss_scale=loss_scale, no_sync=no_sync, tensor_shape=None,
-                      dtype=dtype)
+                      loss_scale=loss_scale, no_sync=no_sync, tensor_shape=shape,
+                      dtype=dtype, sent_shapes=sent)
+    if learn:
+        _learn_shape(module, sent)
     loss = torch.zeros((), dtype=torch.float32, device=ps.device)
     if ps.is_last_stage:
         loss += torch.stack([d["loss"].float() for d in losses]).mean()

@@ -44,7 +44,7 @@ class _Interleaved:
         if m % p != 0:
             raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) "
                              f"to be a multiple of --pipeline-model-parallel-size ({p})")
-        self.p2p = P2P(ps, ctx.tensor_shape, ctx.dtype)
+        self.p2p = P2P(ps, ctx.tensor_shape, ctx.dtype, sent_shapes=ctx.sent_shapes)
         self.sync = GradSyncControl(ctx)
         self.total = m * v
         self.iters = ctx.data_iterator if isinstance(ctx.data_iterator, list) \

@@ -36,6 +36,7 @@ class ScheduleContext:
     dtype: torch.dtype = torch.float32
     trace: object = None  # optional PipelineTrace
     overlap_p2p_comm: bool = False  # interleaved: exchanges in flight during compute
+    sent_shapes: set | None = None  # if a set: the shapes of the tensors this rank sends
     losses: list = field(default_factory=list)
 
 

@@ -24,7 +24,7 @@ from megazero.pipeline_parallel.p2p import P2P
 
 
 def _p2p(ctx: ScheduleContext) -> P2P:
-    return P2P(ctx.ps, ctx.tensor_shape, ctx.dtype)
+    return P2P(ctx.ps, ctx.tensor_shape, ctx.dtype, sent_shapes=ctx.sent_shapes)
 
 
 def forward_backward_pipelining_without_interleaving(**kwargs):

@@ -14,7 +14,8 @@ less per exchange and about a fifth less idle time in the interleaved schedule.
 when the received tensor is needed); ``communicate`` posts and waits.
 
 Shapes are fixed per run (``[s, b, h]``) unless ``variable_shapes`` is set, then each tensor is
-preceded by a small shape message.
+preceded by a small shape message (a blocking round: a PipelineModule pays it only on its
+first batch, then runs at the one shape every stage sent, ``sent_shapes``).
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class P2P:
     """Send/recv helpers of one rank, for fixed ``shape`` and ``dtype`` activations."""
 
     def __init__(self, ps: ParallelState, shape, dtype=torch.float32, device=None,
-                 variable_shapes: bool = False):
+                 variable_shapes: bool = False, sent_shapes: set | None = None):
         self.ps, self.shape, self.dtype = ps, tuple(shape) if shape else None, dtype
         self.device = device or ps.device
         self.variable_shapes = variable_shapes or self.shape is None
+        self.sent_shapes = sent_shapes  # records what this rank sends, when a set
         self._batched = None  # decided at the first exchange (needs the process group)
 
     # ---- the one primitive ---------------------------------------------------------------
@@ -71,7 +73,12 @@ class P2P:
                     raise RuntimeError(
                         f"pipeline stage {ps.pp_rank} sends a tensor of shape {tuple(t.shape)}"
                         f" but the schedule's fixed shape is {self.shape}: check that only "
-                        "the last stage computes the loss (model.post_process)")
+                        "the last stage computes the loss (model.post_process); a "
+                        "PipelineModule whose activations change shape between batches "
+                        "needs dynamic_shapes=True")
+        if self.sent_shapes is not None:
+            self.sent_shapes.update(tuple(t.shape) for t in (send_next, send_prev)
+                                    if t is not None)
         ops, from_prev, from_next = [], None, None
         # activations (forward direction) first ...
         if send_next is not None:
