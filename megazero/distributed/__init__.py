@@ -4,6 +4,8 @@
   Megatron's rank order) and the pure rank arithmetic (``rank_grid``, ``rank_of``).
 - ``comm``: every collective megazero issues (byte accounting, groups of one short-circuit,
   ``OfflineGroup`` for shape-only tools); ``ring``: ring reduce-scatter/all-gather for gloo.
+- ``compressed``: ``CompressedAllReduce``, the 1-bit all-reduce with error feedback of 1-bit
+  Adam (the sign codec, ``megazero.ops.sign_pack``, passed in).
 - ``init``: ``init_distributed`` (backend choice, torchrun or a world of one).
 
 Imports nothing of megazero but ``config``.

@@ -7,8 +7,8 @@ all-gathers may run on megazero's ring (``ring``), chosen per group by ``ring_po
 ("auto": measured once per group; "ring"; "native"). Bytes are those of the
 bandwidth-optimal ring algorithm (what NCCL and megazero's own ring collectives move): for n
 ranks and a buffer of B bytes, all-reduce sends and receives 2(n-1)/n B, all-gather and
-reduce-scatter (n-1)/n of the full buffer, broadcast (n-1)/n B on average; point-to-point
-counts exactly what moved.
+reduce-scatter (n-1)/n of the full buffer, all-to-all (n-1)/n B (what leaves the rank),
+broadcast (n-1)/n B on average; point-to-point counts exactly what moved.
 
 Each ``ParallelState`` owns one communicator and binds the groups it creates to it
 (``bind``), so code that has only a group (the tensor-parallel layers, usable in any model)
@@ -385,6 +385,22 @@ class Communicator:
         return self._run("broadcast", group, lambda: dist.broadcast(
             tensor, src=src, group=group, async_op=async_op))
 
+    def all_to_all_single(self, output, input_, group=None, async_op=False):
+        """Chunk j (dim 0, n equal chunks) of ``input_`` goes to rank j of the group; chunk i
+        of ``output`` comes from rank i. Each rank sends and receives (n-1)/n of its buffer."""
+        _require_online(group, "all_to_all")
+        n = group_size(group)
+        if n == 1:
+            output.copy_(input_.reshape(output.shape))
+            return None
+        self.check_device("all_to_all", input_, group)
+        self.check_device("all_to_all", output, group)
+        b = (n - 1) / n * _nbytes(input_)
+        self.stats.add("all_to_all", b, b)
+        self._record("all_to_all", input_, group, b)
+        return self._run("all_to_all", group, lambda: dist.all_to_all_single(
+            output, input_, group=group, async_op=async_op))
+
     def all_gather_object(self, obj, group=None) -> list:
         """Gather a picklable object of tensors and plain values from every rank of
         ``group``. Serialised with ``torch.save`` and read back with ``weights_only=True``
@@ -529,6 +545,10 @@ def reduce_scatter_into(output, input_, group=None, op=dist.ReduceOp.SUM, async_
     return communicator_of(group).reduce_scatter_into(output, input_, group, op=op,
                                                       async_op=async_op,
                                                       overwrite_input=overwrite_input)
+
+
+def all_to_all_single(output, input_, group=None, async_op=False):
+    return communicator_of(group).all_to_all_single(output, input_, group, async_op=async_op)
 
 
 def broadcast(tensor, src: int, group=None, async_op=False):

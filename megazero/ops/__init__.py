@@ -14,6 +14,9 @@ autograd op with a PyTorch fallback: ``fused_bias_gelu``, ``fused_bias_dropout_a
 Llama family ``fused_rms_norm``, ``fused_bias_swiglu``, ``fused_rope`` (with their
 ``*_reference`` eager formulas). Multi-tensor
 CUDA optimizers: ``FusedAdam``, ``FusedLamb`` (cuda_optim.py).
+
+The 1-bit sign codec of the compressed all-reduce: ``pack_signs`` / ``unpack_signs``
+(sign_pack.py).
 """
 
 from megazero.ops._loader import load_extension
@@ -28,9 +31,10 @@ from megazero.ops.fused_rope import fused_rope, rope_reference
 from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax
 from megazero.ops.fused_swiglu import fused_bias_swiglu, swiglu_reference
 from megazero.ops.registry import OP_MODULES, register_op
+from megazero.ops.sign_pack import pack_signs, unpack_signs
 
 __all__ = ["CPUAdam", "CPULamb", "OP_MODULES", "load_extension", "register_op",
            "FusedAdam", "FusedLamb", "FusedLayerNorm", "fused_bias_dropout_add", "fused_bias_gelu",
            "fused_layer_norm", "scaled_upper_triang_masked_softmax", "fused_bias_swiglu",
            "fused_rms_norm", "fused_rope", "rms_norm_reference", "rope_reference",
-           "swiglu_reference"]
+           "swiglu_reference", "pack_signs", "unpack_signs"]

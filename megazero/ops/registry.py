@@ -32,6 +32,7 @@ OP_MODULES: tuple[str, ...] = (
     "megazero.ops.fused_rope",
     "megazero.ops.cuda_fused",
     "megazero.ops.cuda_optim",
+    "megazero.ops.sign_pack",
 )
 
 
