@@ -127,7 +127,10 @@ def _add_parallel_args(parser):
 
 def _add_optimizer_args(parser):
     g = _Flags(parser, "optimizer and learning rate", OptimizerConfig)
-    g.add("--optimizer", choices=["adam", "lamb", "sgd"])
+    g.add("--optimizer", choices=["adam", "lamb", "sgd", "onebitadam"])
+    g.add("--freeze-step", type=int,
+          help="onebitadam: Adam steps with full-precision gradients before the variance is "
+               "frozen and momenta travel 1-bit compressed (DeepSpeed's freeze_step)")
     g.add("--lr", type=float)
     g.add("--min-lr", type=float)
     g.add("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root",

@@ -43,7 +43,6 @@ from megazero.distributed.init import init_distributed as _init_distributed
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
 from megazero.optim.ds_schedulers import DeepSpeedScheduler
-from megazero.optim.rules import describe_rule
 from megazero.pipe import PipelineModule, pipeline_units
 from megazero.pipe.schedule import run_batch
 
@@ -101,7 +100,7 @@ class Engine:
         self._loader_iter = None
         self.steps_per_print = steps_per_print
         if self.ps.rank == 0 and getattr(self.optimizer, "rule", None) is not None:
-            logger.info("Using %s optimizer; ZeRO stage %d", describe_rule(self.optimizer.rule),
+            logger.info("Using %s optimizer; ZeRO stage %d", self.optimizer.describe(),
                         optimizer_config.zero_stage)
 
     # ---- DeepSpeed's getters -----------------------------------------------------------------

@@ -40,9 +40,12 @@ ZERO3 = {"train_batch_size": 4, "bf16": {"enabled": False},
          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000,
                                "stage3_param_persistence_threshold": 100,
                                "offload_param": {"device": "none"}}}
-# the 1-bit Adam tutorial's (refused until 1-bit Adam exists)
+# the 1-bit Adam tutorial's
 ONEBIT = {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
     "lr": 1e-4, "freeze_step": 100, "cuda_aware": False, "comm_backend_name": "nccl"}}}
+# 0/1 Adam's (refused until it exists)
+ZEROONE = {"train_batch_size": 8, "optimizer": {"type": "ZeroOneAdam", "params": {
+    "lr": 1e-4, "var_freeze_step": 100, "local_step_scaler": 1000}}}
 
 
 def _with(base, path, value):
@@ -69,7 +72,7 @@ INVALID = [  # (config, the text the message must hold)
     (_with(_with(ZERO2, "fp16.enabled", True), "bf16.enabled", True), "fp16 and bf16"),
     (_with(ZERO2, "fp16.auto_cast", True), "fp16.auto_cast"),
     (_with(ZERO2, "optimizer.type", "SGDX"), "optimizer.type"),
-    (ONEBIT, "optimizer.type"),
+    (ZEROONE, "optimizer.type"),
     (_with(ZERO2, "optimizer.params.betas", [0.9]), "optimizer.params.betas"),
     (_with(ZERO2, "optimizer.params.lr", float("nan")), "optimizer.params.lr"),
     (_with(ZERO2, "optimizer.params.amsgrad", True), "optimizer.params.amsgrad"),
@@ -136,6 +139,8 @@ def test_tutorial_configs_translate():
     z3 = parse_ds_config(ZERO3, world_size=2).fields
     assert z3["optimizer.zero_stage"] == 3 and z3["optimizer.zero_prefetch"]
     assert z3["optimizer.zero_param_persistence_threshold"] == 100
+    onebit = parse_ds_config(ONEBIT, world_size=2).fields
+    assert onebit["optimizer.optimizer"] == "onebitadam" and onebit["optimizer.freeze_step"] == 100
     live = parse_ds_config(_with(ZERO3, "zero_optimization.stage3_max_live_parameters", 10**6),
                            world_size=2).fields
     assert live["optimizer.zero_max_live_parameters"] == 10**6

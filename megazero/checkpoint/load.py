@@ -147,7 +147,7 @@ def load_checkpoint(root: str, *, model_chunks, optimizer, lr_scheduler, config,
                 p.copy_(region(name, "model").view(p.shape).to(p.dtype))
     _load_buffers(reader, model_chunks, ps)
     if load_optim:
-        _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3)
+        _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3, ps)
     elif optimizer is not None:
         if zero3:
             optimizer.load_sharded_state_dict(
@@ -209,7 +209,8 @@ def verify_together(reader: CheckpointReader, ps: ParallelState, shards: bool = 
     reader.mark_verified(path for path, _ in files)
 
 
-def _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3: bool) -> None:
+def _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3: bool,
+                    ps: ParallelState) -> None:
     opt_meta = reader.optimizer_meta()
     if opt_meta is None:
         raise CheckpointError(f"checkpoint {reader.base} holds no optimizer state megazero "
@@ -224,6 +225,11 @@ def _load_optimizer(reader, optimizer, lr_scheduler, config, region, zero3: bool
                               f"{config.optimizer.optimizer} needs {list(names)}")
     kinds = ["main", *names] + (["model"] if zero3 else [])
     state = {"step": opt_meta["step"], "scaler": opt_meta["scaler"], "fragments": {}}
+    if hasattr(optimizer, "gather_rank_states") and same_layout(reader.layout, layout_of(
+            ps, config.optimizer.zero_stage, vocab_divisible_by(config))):
+        # per-dp-rank state (1-bit Adam's error feedback): this cell's, at the saved layout
+        saved = reader.model_file(ps.tp_rank, ps.pp_rank).get("optimizer") or {}
+        state["rank_states"], state["same_layout"] = saved.get("rank_states"), True
     optimizer.load_sharded_state_dict(
         state, fragment_reader=lambda n, a, b: {k: region(n, k, a, b) for k in kinds})
     sched = reader.training_state().get("opt_param_scheduler")

@@ -203,6 +203,9 @@ def save_checkpoint(root: str, iteration: int, *, model_chunks, optimizer, lr_sc
     stage = config.optimizer.zero_stage
     layout = layout_of(ps, stage, vocab_divisible_by(config))
     state = shard = None
+    # per-dp-rank optimizer state outside the fragments (1-bit Adam's error feedback)
+    gather = getattr(optimizer, "gather_rank_states", None) if save_optim else None
+    rank_states = gather() if gather is not None else None
     if ps.dp_rank == 0:
         state = model_file_state(
             iteration=iteration, consumed_train_samples=consumed_train_samples,
@@ -211,6 +214,8 @@ def save_checkpoint(root: str, iteration: int, *, model_chunks, optimizer, lr_sc
             models=model_states(model_chunks, buffers_only=stage == 3),
             scheduler=lr_scheduler.state_dict() if lr_scheduler is not None else None, rng=rng,
             optimizer=optimizer.sharded_state_dict() if save_optim and stage == 0 else None)
+        if rank_states is not None and state.get("optimizer") is not None:
+            state["optimizer"]["rank_states"] = rank_states
     if stage == 3 or (save_optim and stage > 0):
         shard = optimizer.sharded_state_dict(include_optimizer=save_optim) if stage == 3 \
             else optimizer.sharded_state_dict()

@@ -48,7 +48,7 @@ SCHEMA = {
              "loss_scale_window": _int(1), "hysteresis": _int(1),
              "min_loss_scale": _float(0.0, positive=True)},
     "bf16": {"enabled": _BOOL},
-    "optimizer": {"type": _choice("Adam", "AdamW", "Lamb"), "params": _DICT},
+    "optimizer": {"type": _choice("Adam", "AdamW", "Lamb", "OneBitAdam"), "params": _DICT},
     "scheduler": {"type": _choice("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"),
                   "params": _DICT},
     "zero_optimization": {
@@ -70,6 +70,11 @@ _ADAM = {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
          "bias_correction": _choice(True), "amsgrad": _choice(False)}
 OPTIMIZER_PARAMS = {
     "Adam": _ADAM, "AdamW": _ADAM,
+    # comm_backend_name: megazero's compressed exchange runs on the dp process group's own
+    # backend (NCCL with GPUs, gloo on CPU); cuda_aware concerns MPI, which megazero lacks
+    "OneBitAdam": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
+                   "weight_decay": _float(0.0), "freeze_step": _int(1),
+                   "cuda_aware": _choice(False), "comm_backend_name": _choice("nccl", "gloo")},
     "Lamb": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
              "weight_decay": _float(0.0), "bias_correction": _choice(True),
              "max_coeff": _choice(10.0), "min_coeff": _choice(0.01)},
@@ -86,7 +91,6 @@ SCHEDULER_PARAMS = {
 REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",)}
 # DeepSpeed keys megazero does not have: key path -> what to do instead
 REFUSED = {
-    "optimizer.type=OneBitAdam": "1-bit Adam is not available yet; use Adam",
     "optimizer.type=ZeroOneAdam": "0/1 Adam is not available yet; use Adam",
     "optimizer.type=OneBitLamb": "1-bit LAMB is not available; use Lamb",
     "zero_optimization.offload_optimizer.device=nvme": "NVMe offload is not available yet; "
@@ -310,8 +314,12 @@ def _optimizer(opt: dict | None, f: dict) -> None:
         raise DeepSpeedConfigError("ds_config optimizer needs a type (Adam, AdamW, Lamb)")
     params = opt.get("params", {})
     _walk(params, OPTIMIZER_PARAMS[kind], "optimizer.params.")
-    f["optimizer.optimizer"] = "lamb" if kind == "Lamb" else "adam"
-    if kind != "Lamb":
+    f["optimizer.optimizer"] = {"Lamb": "lamb", "OneBitAdam": "onebitadam"}.get(kind, "adam")
+    if kind == "OneBitAdam":  # DeepSpeed's adds the weight decay to the update: decoupled
+        f["optimizer.adam_w_mode"] = True
+        if "freeze_step" in params:
+            f["optimizer.freeze_step"] = params["freeze_step"]
+    elif kind != "Lamb":
         # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; "AdamW" always
         f["optimizer.adam_w_mode"] = params.get("adam_w_mode", True) if kind == "Adam" \
             else True

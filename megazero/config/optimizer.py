@@ -62,7 +62,8 @@ class ParallelConfig:
 class OptimizerConfig:
     """Optimizer, learning-rate schedule, precision, loss scaling and ZeRO."""
 
-    optimizer: str = "adam"  # adam | lamb | sgd
+    optimizer: str = "adam"  # adam | lamb | sgd | onebitadam
+    freeze_step: int = 100000  # onebitadam: full-precision Adam steps before compression
     lr: float = 1.5e-4
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root | WSD
@@ -109,8 +110,9 @@ class OptimizerConfig:
     ds_scheduler_params: dict | None = None
 
     def __post_init__(self):
-        _check(self.optimizer in ("adam", "lamb", "sgd"),
-               f"--optimizer must be adam, lamb or sgd, got {self.optimizer!r}")
+        _check(self.optimizer in ("adam", "lamb", "sgd", "onebitadam"),
+               f"--optimizer must be adam, lamb, sgd or onebitadam, got {self.optimizer!r}")
+        _int_at_least(self.freeze_step, "--freeze-step", 1)
         styles = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
         _check(self.lr_decay_style in styles,
                f"--lr-decay-style must be one of {', '.join(styles)}, got "

@@ -2,10 +2,12 @@
 
 ``build_optimizer`` picks the implementation from ``--zero-stage``: stages 0-2 share the flat
 buffers of ``zero.py``; stage 3 partitions the parameters themselves (``zero3.py``).
+``--optimizer onebitadam`` is 1-bit Adam at stage 0 (``onebit.py``).
 """
 
 from __future__ import annotations
 
+from megazero.data_parallel.onebit import OneBitAdamOptimizer
 from megazero.data_parallel.zero import ZeroOptimizer
 from megazero.data_parallel.zero3 import GatheredParameters, Zero3Optimizer, ZeroOrderError
 
@@ -17,6 +19,9 @@ def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int =
     parameters: ZeRO-3 gathers them together (default: each module with direct parameters;
     see ``zero3_units``), stages 1-2 wait for their all-gathers before those modules run
     (default: before the chunk's forward; see ``param_sync``)."""
+    if opt_config.optimizer == "onebitadam":
+        return OneBitAdamOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
+                                   unit_policy=unit_policy)
     if opt_config.zero_stage == 3:
         return Zero3Optimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                               seed=seed, unit_policy=unit_policy)

@@ -64,6 +64,7 @@ class BucketReducer:
         self.before_reduce, self.after_reduce = before_reduce, after_reduce
         self.end_of_backward = end_of_backward
         self.in_no_sync = False
+        self.suspended = False  # no dp reduction at all (1-bit Adam after its freeze step)
         n = len(layout.buckets)
         self.ready = [0] * n  # gradients collected per bucket in this backward
         self.done = [False] * n  # reduced in this backward (late hooks are ignored)
@@ -86,7 +87,7 @@ class BucketReducer:
 
     # ---- in backward ---------------------------------------------------------------------
     def _on_grad_ready(self, pr: ParamRange) -> None:
-        if not self.grads.reduces_every_microbatch and self.in_no_sync:
+        if self.suspended or (not self.grads.reduces_every_microbatch and self.in_no_sync):
             return
         if self.done[pr.bucket]:
             return
@@ -135,6 +136,8 @@ class BucketReducer:
 
     def reduce_remaining(self) -> None:
         """At the accumulation boundary: reduce every bucket no hook reduced."""
+        if self.suspended:
+            return
         for bucket in self.layout.buckets:
             if not self.done[bucket.index]:
                 self.reduce(bucket, async_op=False)

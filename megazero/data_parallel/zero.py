@@ -48,7 +48,7 @@ from megazero.distributed import comm
 from megazero.distributed.device import synchronize
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim.grad_scaler import build_grad_scaler
-from megazero.optim.rules import ParamTable, SegmentView, build_rule
+from megazero.optim.rules import ParamTable, SegmentView, build_rule, describe_rule
 from megazero.tensor_parallel.meta import meta_of
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,10 @@ class ZeroOptimizer:
         self.reducer.wait()
         self.reducer.reset()
         finalize_model_grads(self.layout.segments, self.grads.owned, self.ps)
+
+    def describe(self) -> str:
+        """The update that runs, in words (the "Using ... optimizer" log line)."""
+        return describe_rule(self.rule)
 
     # ---- the step --------------------------------------------------------------------------
     @property

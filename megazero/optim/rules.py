@@ -199,7 +199,7 @@ def build_rule(opt_config, ps):
     if opt_config.optimizer == "adam" and opt_config.cpu_torch_adam:
         return TorchAdamRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
                              opt_config.adam_w_mode)
-    if opt_config.optimizer == "adam":
+    if opt_config.optimizer in ("adam", "onebitadam"):  # 1-bit Adam: Adam until its freeze
         return AdamRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
                         opt_config.adam_w_mode, use_fused=opt_config.use_fused_step)
     if opt_config.optimizer == "lamb":

@@ -32,7 +32,6 @@ from megazero.distributed.device import host_float, host_values
 from megazero.distributed.init import init_distributed
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
-from megazero.optim.rules import describe_rule
 from megazero.pipeline_parallel.schedules import get_forward_backward_func
 from megazero.pipeline_parallel.trace import PipelineTrace
 from megazero.tensor_parallel.random import set_random_seed
@@ -161,7 +160,7 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
                                 seed=config.train.seed, unit_policy=zero3_unit_policy)
     if ps.rank == 0 and getattr(optimizer, "rule", None) is not None:
         o = config.optimizer
-        logger.info("Using %s optimizer; ZeRO stage %d%s", describe_rule(optimizer.rule),
+        logger.info("Using %s optimizer; ZeRO stage %d%s", optimizer.describe(),
                     o.zero_stage, ", fp32 states in host memory" if o.cpu_offload else "")
     trainer = Trainer(config, ps, tracker, model, optimizer, lr_scheduler, forward_step_func)
     trainer.resident_before_model = resident_before_model

@@ -1,0 +1,142 @@
+"""1-bit Adam (Tang et al. 2021) over the dp group, at ZeRO stage 0, with tp and pp.
+
+Steps 1 .. ``freeze_step``: megazero's Adam/AdamW exactly (gradients all-reduced in full
+precision over dp; the same rule, so bit for bit ``--optimizer adam``). Then the variance is
+frozen and gradients are no longer all-reduced: each rank folds its local gradient into the
+momentum, ``m = b1 m + (1 - b1) g_local``, and the momenta are averaged over dp by
+``CompressedAllReduce`` (one bit per element plus a scale per chunk, error feedback on the
+worker and the server side: about 1/32 of an fp32 all-reduce's bytes). The update is AdamW's
+with the momentum bias-corrected at the current step and the frozen variance at the freeze
+step::
+
+    p <- p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^T) + eps)
+
+(Adam with L2 adds ``wd p`` to the local gradient instead). As the momentum is identical on
+every rank after each exchange, so are the parameters.
+
+After the freeze there is no averaged gradient: clipping and the logged gradient norm use the
+rank's local gradient (summed over the model-parallel group as usual), and an overflow on any
+dp rank skips the step on all of them.
+
+Checkpoints: the moments are the usual layout-free fragments (the frozen variance is
+``exp_avg_sq``). The error-feedback buffers are per dp rank: every rank's are gathered into dp
+rank 0's optimizer state and restored at the same layout; at another layout they restart from
+zero (as when compression starts), which costs a few steps of extra compression error.
+
+ZeRO stages 1-2 are refused: their ranks hold disjoint partitions of the momentum, while the
+compressed exchange averages a full momentum per rank (DeepSpeed likewise runs 1-bit Adam
+without ZeRO).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megazero.data_parallel.zero import ZeroOptimizer
+from megazero.distributed import comm
+from megazero.distributed.compressed import CompressedAllReduce
+from megazero.distributed.device import host_float
+from megazero.distributed.parallel_state import ParallelState
+from megazero.ops import sign_pack
+from megazero.ops.cpu_adam import adam_step_constants, sqrt_f32
+
+
+class OneBitAdamOptimizer(ZeroOptimizer):
+    """``--optimizer onebitadam --freeze-step T`` (see the module docstring)."""
+
+    def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
+                 unit_policy=None):
+        if opt_config.zero_stage != 0:
+            raise ValueError(f"--optimizer onebitadam runs at --zero-stage 0 (got "
+                             f"{opt_config.zero_stage}): its compressed exchange averages "
+                             "every rank's full momentum, which ZeRO partitions")
+        if opt_config.cpu_offload or opt_config.cpu_torch_adam:
+            raise ValueError("--optimizer onebitadam steps on the parameters' device: drop "
+                             "--cpu-offload / --cpu-torch-adam")
+        super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
+                         unit_policy=unit_policy)
+        self.freeze_step = opt_config.freeze_step
+        self.compressor = None  # built at the freeze (the momentum buffer exists by then)
+
+    def describe(self) -> str:
+        return (f"1-bit Adam (until step {self.freeze_step} {super().describe()}; then the "
+                "variance frozen and momenta averaged 1-bit compressed)")
+
+    @property
+    def frozen(self) -> bool:
+        return self.step_count >= self.freeze_step
+
+    def _compressor(self) -> CompressedAllReduce:
+        if self.compressor is None:
+            m = self.state["exp_avg"]  # [all parameters of this tp/pp cell] fp32
+            self.compressor = CompressedAllReduce(self.dp_group, m.numel(), sign_pack,
+                                                  device=m.device)
+        return self.compressor
+
+    def _sync_reducer(self) -> None:
+        self.reducer.suspended = self.frozen  # local gradients from the freeze on
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int]:
+        if not self.frozen:
+            result = super().step()
+            self._sync_reducer()
+            return result
+        scale = self.scaler.scale
+        sumsq = self.grad_norm_sq()  # this rank's local gradient, over the mp group
+        bad = torch.tensor([0.0 if math.isfinite(sumsq) else 1.0], device=self.device)
+        comm.all_reduce(bad, self.dp_group, op=torch.distributed.ReduceOp.MAX)
+        found_inf = host_float(bad) > 0
+        grad_norm = math.sqrt(sumsq) / scale if not found_inf else float("nan")
+        self.scaler.update(found_inf)
+        if found_inf:
+            return False, grad_norm, 1
+        coeff = 1.0
+        if self.config.clip_grad > 0:
+            coeff = min(1.0, self.config.clip_grad / (grad_norm + 1e-6))
+        lr = self.lr_scheduler.get_lr() if self.lr_scheduler is not None else self.config.lr
+        self.step_count += 1
+        self._compressed_update(lr, coeff / scale)
+        return True, grad_norm, 0
+
+    def _compressed_update(self, lr: float, grad_scale: float) -> None:
+        rule, views = self.rule, self.views
+        b1 = rule.beta1
+        for v in views:  # the momentum, from this rank's gradient
+            g = v.grad.float() * grad_scale
+            if not rule.adam_w_mode and v.weight_decay != 0.0:
+                g += v.main * v.weight_decay
+            v.state["exp_avg"].mul_(b1).add_(g, alpha=1.0 - b1)
+        self._compressor().all_reduce_mean_(self.state["exp_avg"])
+        step_size, _ = adam_step_constants(lr, b1, rule.beta2, self.step_count, True)
+        _, bc2 = adam_step_constants(lr, b1, rule.beta2, self.freeze_step, True)
+        for v in views:
+            denom = sqrt_f32(v.state["exp_avg_sq"]) / bc2 + rule.eps
+            if rule.adam_w_mode and v.weight_decay != 0.0:
+                v.main.mul_(1.0 - lr * v.weight_decay)
+            v.main.sub_(v.state["exp_avg"] * step_size / denom)
+            if v.model_out is not None:
+                v.model_out.copy_(v.main)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def gather_rank_states(self) -> list | None:
+        """Every dp rank's error-feedback buffers (collective over dp; on dp rank 0 the list,
+        elsewhere None), for the checkpoint."""
+        mine = self.compressor.state_dict() if self.compressor is not None else None
+        states = comm.all_gather_object(mine, self.dp_group)
+        return states if self.dp_rank == 0 else None
+
+    def load_sharded_state_dict(self, state: dict, fragment_reader=None) -> None:
+        super().load_sharded_state_dict(state, fragment_reader)
+        self._sync_reducer()
+        ranks = state.get("rank_states")
+        self.compressor = None
+        if self.frozen and ranks and state.get("same_layout") \
+                and ranks[self.dp_rank] is not None:
+            self._compressor().load_state_dict(ranks[self.dp_rank])
+
+
+__all__ = ["OneBitAdamOptimizer"]
