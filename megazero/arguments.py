@@ -127,7 +127,15 @@ def _add_parallel_args(parser):
 
 def _add_optimizer_args(parser):
     g = _Flags(parser, "optimizer and learning rate", OptimizerConfig)
-    g.add("--optimizer", choices=["adam", "lamb", "sgd", "onebitadam"])
+    g.add("--optimizer", choices=["adam", "lamb", "sgd", "onebitadam", "zerooneadam"])
+    g.add("--var-freeze-step", type=int,
+          help="zerooneadam: the last step that updates the variance (DeepSpeed's)")
+    g.add("--var-update-scaler", type=int,
+          help="zerooneadam: variance updates between doublings of their interval")
+    g.add("--local-step-scaler", type=int,
+          help="zerooneadam: steps between doublings of the local-step interval")
+    g.add("--local-step-clipper", type=int,
+          help="zerooneadam: the largest local-step interval")
     g.add("--freeze-step", type=int,
           help="onebitadam: Adam steps with full-precision gradients before the variance is "
                "frozen and momenta travel 1-bit compressed (DeepSpeed's freeze_step)")
@@ -149,6 +157,8 @@ def _add_optimizer_args(parser):
     g.add("--adam-w-mode", action="store_true",
           help="decoupled weight decay (AdamW); --no-adam-w-mode: L2")
     g.add("--no-adam-w-mode", field="adam_w_mode", action="store_false")
+    g.add("--no-adam-bias-correction", field="adam_bias_correction", action="store_false",
+          help="Adam without its bias corrections (DeepSpeed's bias_correction: false)")
     g.add("--sgd-momentum", type=float)
     g.add("--clip-grad", type=float)
 

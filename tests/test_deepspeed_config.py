@@ -43,9 +43,14 @@ ZERO3 = {"train_batch_size": 4, "bf16": {"enabled": False},
 # the 1-bit Adam tutorial's
 ONEBIT = {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
     "lr": 1e-4, "freeze_step": 100, "cuda_aware": False, "comm_backend_name": "nccl"}}}
-# 0/1 Adam's (refused until it exists)
+# the 0/1 Adam tutorial's
 ZEROONE = {"train_batch_size": 8, "optimizer": {"type": "ZeroOneAdam", "params": {
-    "lr": 1e-4, "var_freeze_step": 100, "local_step_scaler": 1000}}}
+    "lr": 1e-4, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 1000,
+    "var_update_scaler": 16, "local_step_scaler": 1000, "local_step_clipper": 16,
+    "cuda_aware": False, "comm_backend_name": "nccl"}}}
+# 1-bit LAMB's (refused: megazero has none)
+ONEBITLAMB = {"train_batch_size": 8, "optimizer": {"type": "OneBitLamb", "params": {
+    "lr": 1e-4, "freeze_step": 100}}}
 
 
 def _with(base, path, value):
@@ -72,7 +77,7 @@ INVALID = [  # (config, the text the message must hold)
     (_with(_with(ZERO2, "fp16.enabled", True), "bf16.enabled", True), "fp16 and bf16"),
     (_with(ZERO2, "fp16.auto_cast", True), "fp16.auto_cast"),
     (_with(ZERO2, "optimizer.type", "SGDX"), "optimizer.type"),
-    (ZEROONE, "optimizer.type"),
+    (ONEBITLAMB, "optimizer.type"),
     (_with(ZERO2, "optimizer.params.betas", [0.9]), "optimizer.params.betas"),
     (_with(ZERO2, "optimizer.params.lr", float("nan")), "optimizer.params.lr"),
     (_with(ZERO2, "optimizer.params.amsgrad", True), "optimizer.params.amsgrad"),
@@ -141,6 +146,9 @@ def test_tutorial_configs_translate():
     assert z3["optimizer.zero_param_persistence_threshold"] == 100
     onebit = parse_ds_config(ONEBIT, world_size=2).fields
     assert onebit["optimizer.optimizer"] == "onebitadam" and onebit["optimizer.freeze_step"] == 100
+    zo = parse_ds_config(ZEROONE, world_size=2).fields
+    assert zo["optimizer.optimizer"] == "zerooneadam" and zo["optimizer.var_freeze_step"] == 1000
+    assert zo["optimizer.local_step_clipper"] == 16
     live = parse_ds_config(_with(ZERO3, "zero_optimization.stage3_max_live_parameters", 10**6),
                            world_size=2).fields
     assert live["optimizer.zero_max_live_parameters"] == 10**6

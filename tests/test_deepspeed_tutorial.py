@@ -151,7 +151,7 @@ def test_pipeline_tutorial_two_stages_print_the_one_stage_losses(tmp_path):
 
 
 def test_a_tutorial_config_key_megazero_lacks_is_refused_by_name(tmp_path):
-    config = {**CONFIG, "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3,
-                                                                         "var_freeze_step": 2}}}
-    with pytest.raises(AssertionError, match="ZeroOneAdam"):
+    config = {**CONFIG, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3,
+                                                                        "freeze_step": 2}}}
+    with pytest.raises(AssertionError, match="OneBitLamb"):
         _run(tmp_path, PIPELINE, ["-p", "1"], config=config)

@@ -48,7 +48,8 @@ SCHEMA = {
              "loss_scale_window": _int(1), "hysteresis": _int(1),
              "min_loss_scale": _float(0.0, positive=True)},
     "bf16": {"enabled": _BOOL},
-    "optimizer": {"type": _choice("Adam", "AdamW", "Lamb", "OneBitAdam"), "params": _DICT},
+    "optimizer": {"type": _choice("Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam"),
+                  "params": _DICT},
     "scheduler": {"type": _choice("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"),
                   "params": _DICT},
     "zero_optimization": {
@@ -67,14 +68,20 @@ SCHEMA = {
 }
 _ADAM = {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
          "weight_decay": _float(0.0), "adam_w_mode": _BOOL, "torch_adam": _BOOL,
-         "bias_correction": _choice(True), "amsgrad": _choice(False)}
+         "bias_correction": _BOOL, "amsgrad": _choice(False)}
 OPTIMIZER_PARAMS = {
     "Adam": _ADAM, "AdamW": _ADAM,
     # comm_backend_name: megazero's compressed exchange runs on the dp process group's own
     # backend (NCCL with GPUs, gloo on CPU); cuda_aware concerns MPI, which megazero lacks
     "OneBitAdam": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
-                   "weight_decay": _float(0.0), "freeze_step": _int(1),
+                   "weight_decay": _float(0.0), "freeze_step": _int(1), "bias_correction": _BOOL,
                    "cuda_aware": _choice(False), "comm_backend_name": _choice("nccl", "gloo")},
+    "ZeroOneAdam": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
+                    "weight_decay": _float(0.0), "var_freeze_step": _int(1),
+                    "bias_correction": _BOOL,
+                    "var_update_scaler": _int(1), "local_step_scaler": _int(1),
+                    "local_step_clipper": _int(1), "cuda_aware": _choice(False),
+                    "comm_backend_name": _choice("nccl", "gloo")},
     "Lamb": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
              "weight_decay": _float(0.0), "bias_correction": _choice(True),
              "max_coeff": _choice(10.0), "min_coeff": _choice(0.01)},
@@ -91,7 +98,6 @@ SCHEDULER_PARAMS = {
 REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",)}
 # DeepSpeed keys megazero does not have: key path -> what to do instead
 REFUSED = {
-    "optimizer.type=ZeroOneAdam": "0/1 Adam is not available yet; use Adam",
     "optimizer.type=OneBitLamb": "1-bit LAMB is not available; use Lamb",
     "zero_optimization.offload_optimizer.device=nvme": "NVMe offload is not available yet; "
                                                        "use device cpu",
@@ -314,17 +320,22 @@ def _optimizer(opt: dict | None, f: dict) -> None:
         raise DeepSpeedConfigError("ds_config optimizer needs a type (Adam, AdamW, Lamb)")
     params = opt.get("params", {})
     _walk(params, OPTIMIZER_PARAMS[kind], "optimizer.params.")
-    f["optimizer.optimizer"] = {"Lamb": "lamb", "OneBitAdam": "onebitadam"}.get(kind, "adam")
-    if kind == "OneBitAdam":  # DeepSpeed's adds the weight decay to the update: decoupled
+    f["optimizer.optimizer"] = {"Lamb": "lamb", "OneBitAdam": "onebitadam",
+                                "ZeroOneAdam": "zerooneadam"}.get(kind, "adam")
+    if kind in ("OneBitAdam", "ZeroOneAdam"):  # DeepSpeed's add the decay to the update
         f["optimizer.adam_w_mode"] = True
-        if "freeze_step" in params:
-            f["optimizer.freeze_step"] = params["freeze_step"]
+        for key in ("freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler",
+                    "local_step_clipper"):
+            if key in params:
+                f[f"optimizer.{key}"] = params[key]
     elif kind != "Lamb":
         # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; "AdamW" always
         f["optimizer.adam_w_mode"] = params.get("adam_w_mode", True) if kind == "Adam" \
             else True
         if params.get("torch_adam"):
             f["optimizer.cpu_torch_adam"] = True
+    if "bias_correction" in params and kind != "Lamb":
+        f["optimizer.adam_bias_correction"] = bool(params["bias_correction"])
     if "lr" in params:
         f["optimizer.lr"] = float(params["lr"])
     if "betas" in params:

@@ -63,7 +63,14 @@ class OptimizerConfig:
     """Optimizer, learning-rate schedule, precision, loss scaling and ZeRO."""
 
     optimizer: str = "adam"  # adam | lamb | sgd | onebitadam
+    adam_bias_correction: bool = True  # Adam's 1/(1 - beta^t) factors (DeepSpeed's option)
     freeze_step: int = 100000  # onebitadam: full-precision Adam steps before compression
+    # zerooneadam (DeepSpeed's defaults): the last variance update, the variance interval's
+    # doubling period (in updates), the local interval's doubling period and its cap
+    var_freeze_step: int = 100000
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32678
+    local_step_clipper: int = 16
     lr: float = 1.5e-4
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root | WSD
@@ -110,9 +117,17 @@ class OptimizerConfig:
     ds_scheduler_params: dict | None = None
 
     def __post_init__(self):
-        _check(self.optimizer in ("adam", "lamb", "sgd", "onebitadam"),
-               f"--optimizer must be adam, lamb, sgd or onebitadam, got {self.optimizer!r}")
+        _check(self.optimizer in ("adam", "lamb", "sgd", "onebitadam", "zerooneadam"),
+               f"--optimizer must be adam, lamb, sgd, onebitadam or zerooneadam, got "
+               f"{self.optimizer!r}")
         _int_at_least(self.freeze_step, "--freeze-step", 1)
+        _check(self.adam_bias_correction or (
+            self.optimizer in ("adam", "onebitadam", "zerooneadam") and not self.cpu_torch_adam),
+            "--no-adam-bias-correction needs megazero's Adam (--optimizer adam, onebitadam or "
+            "zerooneadam, without --cpu-torch-adam)")
+        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
+                     "local_step_clipper"):
+            _int_at_least(getattr(self, name), "--" + name.replace("_", "-"), 1)
         styles = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
         _check(self.lr_decay_style in styles,
                f"--lr-decay-style must be one of {', '.join(styles)}, got "

@@ -2,7 +2,8 @@
 
 ``build_optimizer`` picks the implementation from ``--zero-stage``: stages 0-2 share the flat
 buffers of ``zero.py``; stage 3 partitions the parameters themselves (``zero3.py``).
-``--optimizer onebitadam`` is 1-bit Adam at stage 0 (``onebit.py``).
+``--optimizer onebitadam`` is 1-bit Adam at stage 0 (``onebit.py``), ``zerooneadam`` 0/1 Adam
+(``zeroone.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from megazero.data_parallel.onebit import OneBitAdamOptimizer
 from megazero.data_parallel.zero import ZeroOptimizer
 from megazero.data_parallel.zero3 import GatheredParameters, Zero3Optimizer, ZeroOrderError
+from megazero.data_parallel.zeroone import ZeroOneAdamOptimizer
 
 
 def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int = 0,
@@ -19,6 +21,9 @@ def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int =
     parameters: ZeRO-3 gathers them together (default: each module with direct parameters;
     see ``zero3_units``), stages 1-2 wait for their all-gathers before those modules run
     (default: before the chunk's forward; see ``param_sync``)."""
+    if opt_config.optimizer == "zerooneadam":
+        return ZeroOneAdamOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
+                                    unit_policy=unit_policy)
     if opt_config.optimizer == "onebitadam":
         return OneBitAdamOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                                    unit_policy=unit_policy)

@@ -111,8 +111,9 @@ class OneBitAdamOptimizer(ZeroOptimizer):
                 g += v.main * v.weight_decay
             v.state["exp_avg"].mul_(b1).add_(g, alpha=1.0 - b1)
         self._compressor().all_reduce_mean_(self.state["exp_avg"])
-        step_size, _ = adam_step_constants(lr, b1, rule.beta2, self.step_count, True)
-        _, bc2 = adam_step_constants(lr, b1, rule.beta2, self.freeze_step, True)
+        bc = rule.bias_correction
+        step_size, _ = adam_step_constants(lr, b1, rule.beta2, self.step_count, bc)
+        _, bc2 = adam_step_constants(lr, b1, rule.beta2, self.freeze_step, bc)
         for v in views:
             denom = sqrt_f32(v.state["exp_avg_sq"]) / bc2 + rule.eps
             if rule.adam_w_mode and v.weight_decay != 0.0:

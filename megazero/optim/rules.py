@@ -58,9 +58,10 @@ class AdamRule:
 
     state_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, beta1=0.9, beta2=0.999, eps=1e-8, adam_w_mode=True, use_fused=True):
+    def __init__(self, beta1=0.9, beta2=0.999, eps=1e-8, adam_w_mode=True, use_fused=True,
+                 bias_correction=True):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
-        self.adam_w_mode = adam_w_mode
+        self.adam_w_mode, self.bias_correction = adam_w_mode, bias_correction
         self.step_fn = fused_adam_step if use_fused else fused_adam_step_reference
 
     def apply(self, segments: list[SegmentView], *, step: int, lr: float, grad_scale: float,
@@ -69,7 +70,7 @@ class AdamRule:
             self.step_fn(s.main, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"], step=step,
                          lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                          weight_decay=s.weight_decay, adam_w_mode=self.adam_w_mode,
-                         bias_correction=True, grad_scale=grad_scale,
+                         bias_correction=self.bias_correction, grad_scale=grad_scale,
                          model_param_out=s.model_out)
 
 
@@ -199,9 +200,10 @@ def build_rule(opt_config, ps):
     if opt_config.optimizer == "adam" and opt_config.cpu_torch_adam:
         return TorchAdamRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
                              opt_config.adam_w_mode)
-    if opt_config.optimizer in ("adam", "onebitadam"):  # 1-bit Adam: Adam until its freeze
+    if opt_config.optimizer in ("adam", "onebitadam", "zerooneadam"):  # their Adam parts
         return AdamRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
-                        opt_config.adam_w_mode, use_fused=opt_config.use_fused_step)
+                        opt_config.adam_w_mode, use_fused=opt_config.use_fused_step,
+                        bias_correction=opt_config.adam_bias_correction)
     if opt_config.optimizer == "lamb":
         return LambRule(opt_config.adam_beta1, opt_config.adam_beta2, opt_config.adam_eps,
                         dp_group=ps.dp_group if opt_config.zero_stage > 0 else None,
