@@ -17,9 +17,13 @@ CUDA optimizers: ``FusedAdam``, ``FusedLamb`` (cuda_optim.py).
 
 The 1-bit sign codec of the compressed all-reduce: ``pack_signs`` / ``unpack_signs``
 (sign_pack.py).
+
+NVMe offload I/O (ZeRO-Infinity): ``AsyncIO`` (thread pool of pread/pwrite with O_DIRECT,
+C++ in ``csrc/aio`` or Python threads) and ``aligned_empty`` (aio.py).
 """
 
 from megazero.ops._loader import load_extension
+from megazero.ops.aio import AsyncIO, aligned_empty
 from megazero.ops.cpu_adam import CPUAdam
 from megazero.ops.cpu_lamb import CPULamb
 from megazero.ops.cuda_optim import FusedAdam, FusedLamb
@@ -37,4 +41,4 @@ __all__ = ["CPUAdam", "CPULamb", "OP_MODULES", "load_extension", "register_op",
            "FusedAdam", "FusedLamb", "FusedLayerNorm", "fused_bias_dropout_add", "fused_bias_gelu",
            "fused_layer_norm", "scaled_upper_triang_masked_softmax", "fused_bias_swiglu",
            "fused_rms_norm", "fused_rope", "rms_norm_reference", "rope_reference",
-           "swiglu_reference", "pack_signs", "unpack_signs"]
+           "swiglu_reference", "pack_signs", "unpack_signs", "AsyncIO", "aligned_empty"]

@@ -33,6 +33,7 @@ OP_MODULES: tuple[str, ...] = (
     "megazero.ops.cuda_fused",
     "megazero.ops.cuda_optim",
     "megazero.ops.sign_pack",
+    "megazero.ops.aio",
 )
 
 
