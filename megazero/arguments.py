@@ -198,6 +198,13 @@ def _add_optimizer_args(parser):
                "all-gather before each; on by default)")
     g.add("--cpu-offload", "--zero-offload-optimizer", field="cpu_offload",
           action="store_true")
+    g.add("--offload-optimizer", choices=["cpu", "nvme"],
+          help="cpu: --cpu-offload; nvme: fp32 main values and moments in files under "
+               "--nvme-path, streamed through the host (ZeRO-Infinity)")
+    g.add("--nvme-path", help="a directory on a fast disk for --offload-optimizer nvme")
+    g.add("--nvme-sub-group-size", type=int,
+          help="elements per streamed sub-group of --offload-optimizer nvme")
+    g.add("--nvme-threads", type=int, help="I/O threads of --offload-optimizer nvme")
     g.add("--cpu-torch-adam", "--cpu_torch_adam", action="store_true",
           help="use torch.optim.AdamW even when megazero's CPU Adam is built")
     g.add("--ds_fused_adam", "--ds-fused-adam", field="use_fused_step", action="store_true",

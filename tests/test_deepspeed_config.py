@@ -87,9 +87,8 @@ INVALID = [  # (config, the text the message must hold)
     (_with(ZERO2, "scheduler", {"type": "WarmupDecayLR", "params": {}}),
      "scheduler.params.total_num_steps"),
     (_with(ZERO2, "zero_optimization.stage", 4), "zero_optimization.stage"),
-    (_with(ZERO2, "zero_optimization.offload_optimizer", {"device": "nvme",
-                                                          "nvme_path": "/nvme"}),
-     "zero_optimization.offload_optimizer.device"),
+    (_with(ZERO2, "zero_optimization.offload_optimizer", {"device": "nvme"}),
+     "zero_optimization.offload_optimizer.device"),  # nvme without nvme_path
     (_with(ZERO2, "zero_optimization.offload_param", {"device": "cpu"}),
      "zero_optimization.offload_param.device"),
     (_with(ZERO2, "zero_optimization.allgather_bucket_size", 1000),
@@ -146,6 +145,11 @@ def test_tutorial_configs_translate():
     assert z3["optimizer.zero_param_persistence_threshold"] == 100
     onebit = parse_ds_config(ONEBIT, world_size=2).fields
     assert onebit["optimizer.optimizer"] == "onebitadam" and onebit["optimizer.freeze_step"] == 100
+    nvme = parse_ds_config(_with(ZERO2, "zero_optimization.offload_optimizer",
+                                 {"device": "nvme", "nvme_path": "/local_nvme"}),
+                           world_size=2).fields
+    assert nvme["optimizer.offload_optimizer"] == "nvme"
+    assert nvme["optimizer.nvme_path"] == "/local_nvme"
     zo = parse_ds_config(ZEROONE, world_size=2).fields
     assert zo["optimizer.optimizer"] == "zerooneadam" and zo["optimizer.var_freeze_step"] == 1000
     assert zo["optimizer.local_step_clipper"] == 16

@@ -39,7 +39,7 @@ def _choice(*values):
     return ("choice", values)
 
 
-_OFFLOAD = {"device": _choice("none", "cpu"), "pin_memory": _BOOL}
+_OFFLOAD = {"device": _choice("none", "cpu", "nvme"), "pin_memory": _BOOL, "nvme_path": _STR}
 SCHEMA = {
     "train_batch_size": _int(1), "train_micro_batch_size_per_gpu": _int(1),
     "gradient_accumulation_steps": _int(1), "gradient_clipping": _float(0.0),
@@ -99,8 +99,6 @@ REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num
 # DeepSpeed keys megazero does not have: key path -> what to do instead
 REFUSED = {
     "optimizer.type=OneBitLamb": "1-bit LAMB is not available; use Lamb",
-    "zero_optimization.offload_optimizer.device=nvme": "NVMe offload is not available yet; "
-                                                       "use device cpu",
     "zero_optimization.offload_param.device=cpu": "megazero offloads optimizer states only "
                                                   "(offload_optimizer); use device none",
     "zero_optimization.offload_param.device=nvme": "megazero offloads optimizer states only "
@@ -365,8 +363,15 @@ def _scheduler(s: dict | None) -> tuple[str, dict] | None:
 def _zero(z: dict, f: dict) -> None:
     if "stage" in z:
         f["optimizer.zero_stage"] = z["stage"]
-    if z.get("offload_optimizer", {}).get("device") == "cpu":
+    off = z.get("offload_optimizer", {})
+    if off.get("device") == "cpu":
         f["optimizer.cpu_offload"] = True
+    if off.get("device") == "nvme":
+        if "nvme_path" not in off:
+            raise DeepSpeedConfigError("ds_config zero_optimization.offload_optimizer.device "
+                                       "nvme needs offload_optimizer.nvme_path")
+        f["optimizer.offload_optimizer"] = "nvme"
+        f["optimizer.nvme_path"] = off["nvme_path"]
     if "overlap_comm" in z:
         f["optimizer.overlap_grad_reduce"] = z["overlap_comm"]
     reduce, gather = z.get("reduce_bucket_size"), z.get("allgather_bucket_size")

@@ -110,6 +110,12 @@ class OptimizerConfig:
     zero_max_live_parameters: int | None = None
     zero3_order_check: bool = True  # all-gather (kind, bucket, seq) before each collective
     cpu_offload: bool = False
+    # --offload-optimizer nvme: the fp32 main values and moments in files under nvme_path,
+    # streamed in sub-groups of nvme_sub_group_size elements by nvme_threads I/O threads
+    offload_optimizer: str | None = None  # None | cpu | nvme
+    nvme_path: str | None = None
+    nvme_sub_group_size: int = 1 << 22
+    nvme_threads: int = 4
     cpu_torch_adam: bool = False
     use_fused_step: bool = True  # fused unscale+clip+adam+cast kernel when built
     # a ds_config's scheduler (WarmupLR | WarmupDecayLR | WarmupCosineLR, counted in steps)
@@ -176,6 +182,19 @@ class OptimizerConfig:
             _check(self.min_loss_scale <= self.initial_loss_scale,
                    f"--min-loss-scale ({self.min_loss_scale}) must not exceed "
                    f"--initial-loss-scale ({self.initial_loss_scale})")
+        _check(self.offload_optimizer in (None, "none", "cpu", "nvme"),
+               f"--offload-optimizer must be cpu or nvme, got {self.offload_optimizer!r}")
+        if self.offload_optimizer in ("cpu", "nvme"):
+            self.cpu_offload = True  # NVMe streams through the host, as --cpu-offload
+        _check((self.offload_optimizer == "nvme") == (self.nvme_path is not None),
+               "--offload-optimizer nvme and --nvme-path DIR go together")
+        _int_at_least(self.nvme_sub_group_size, "--nvme-sub-group-size", 1)
+        _int_at_least(self.nvme_threads, "--nvme-threads", 1)
+        _check(not (self.offload_optimizer == "nvme" and self.zero_stage not in (1, 2)),
+               "--offload-optimizer nvme needs --zero-stage 1 or 2")
+        _check(not (self.offload_optimizer == "nvme" and self.optimizer not in ("adam", "sgd")),
+               "--offload-optimizer nvme steps parameters in sub-groups: --optimizer adam or "
+               "sgd (LAMB needs whole parameters)")
         _check(not (self.cpu_offload and self.zero_stage == 0),
                "--cpu-offload / --zero-offload-optimizer needs --zero-stage >= 1")
 

@@ -3,11 +3,13 @@
 ``build_optimizer`` picks the implementation from ``--zero-stage``: stages 0-2 share the flat
 buffers of ``zero.py``; stage 3 partitions the parameters themselves (``zero3.py``).
 ``--optimizer onebitadam`` is 1-bit Adam at stage 0 (``onebit.py``), ``zerooneadam`` 0/1 Adam
-(``zeroone.py``).
+(``zeroone.py``); ``--offload-optimizer nvme`` keeps stages 1-2's optimizer states in files
+(``nvme.py``).
 """
 
 from __future__ import annotations
 
+from megazero.data_parallel.nvme import NvmeZeroOptimizer
 from megazero.data_parallel.onebit import OneBitAdamOptimizer
 from megazero.data_parallel.zero import ZeroOptimizer
 from megazero.data_parallel.zero3 import GatheredParameters, Zero3Optimizer, ZeroOrderError
@@ -27,6 +29,9 @@ def build_optimizer(model_chunks, opt_config, ps, lr_scheduler=None, seed: int =
     if opt_config.optimizer == "onebitadam":
         return OneBitAdamOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                                    unit_policy=unit_policy)
+    if opt_config.offload_optimizer == "nvme":
+        return NvmeZeroOptimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
+                                 unit_policy=unit_policy)
     if opt_config.zero_stage == 3:
         return Zero3Optimizer(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                               seed=seed, unit_policy=unit_policy)

@@ -250,16 +250,20 @@ class ZeroOptimizer:
             coeff = c if c < 1.0 else 1.0
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler is not None else self.config.lr
         self.step_count += 1
-        views = self.views
-        if self.offload:
-            self._grads_to_host()
-        self.rule.apply(views, step=self.step_count, lr=lr, grad_scale=coeff / divisor,
-                        params=self.param_table)
-        if self.offload:
-            self._params_from_host()
+        self._update(lr, coeff / divisor)
         if self.shard:
             self._all_gather_params()
         return True, grad_norm, 0
+
+    def _update(self, lr: float, grad_scale: float) -> None:
+        """The update rule over this rank's partition (fp32 main values, states, model copy)."""
+        views = self.views
+        if self.offload:
+            self._grads_to_host()
+        self.rule.apply(views, step=self.step_count, lr=lr, grad_scale=grad_scale,
+                        params=self.param_table)
+        if self.offload:
+            self._params_from_host()
 
     def _grads_to_host(self):
         """--cpu-offload: this rank's reduced gradients (model dtype) -> fp32 host buffer."""
