@@ -43,22 +43,48 @@ from megazero.ops import sign_pack
 from megazero.ops.cpu_adam import adam_step_constants, sqrt_f32
 
 
-class OneBitAdamOptimizer(ZeroOptimizer):
+class CompressedAdamBase(ZeroOptimizer):
+    """What 1-bit and 0/1 Adam share: ZeRO stage 0 on the parameters' device, one
+    ``CompressedAllReduce`` over a buffer the size of the moments (built on first use), and
+    the dp-wide agreement to skip a step on overflow when gradients are local."""
+
+    def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
+                 unit_policy=None):
+        name = opt_config.optimizer
+        if opt_config.zero_stage != 0:
+            raise ValueError(f"--optimizer {name} runs at --zero-stage 0 (got "
+                             f"{opt_config.zero_stage}): its compressed exchange averages "
+                             "every rank's full buffers, which ZeRO partitions")
+        if opt_config.cpu_offload or opt_config.cpu_torch_adam:
+            raise ValueError(f"--optimizer {name} steps on the parameters' device: drop "
+                             "--cpu-offload / --cpu-torch-adam")
+        super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
+                         unit_policy=unit_policy)
+        self.compressor = None
+
+    def _compressor(self) -> CompressedAllReduce:
+        if self.compressor is None:
+            m = self.state["exp_avg"]  # [all parameters of this tp/pp cell] fp32
+            self.compressor = CompressedAllReduce(self.dp_group, m.numel(), sign_pack,
+                                                  device=m.device)
+        return self.compressor
+
+    def _overflow(self, sumsq: float, local: bool) -> bool:
+        """Non-finite gradients here, or (``local``: each rank's own) on any dp rank."""
+        bad = torch.tensor([0.0 if math.isfinite(sumsq) else 1.0], device=self.device)
+        if local:
+            comm.all_reduce(bad, self.dp_group, op=torch.distributed.ReduceOp.MAX)
+        return host_float(bad) > 0
+
+
+class OneBitAdamOptimizer(CompressedAdamBase):
     """``--optimizer onebitadam --freeze-step T`` (see the module docstring)."""
 
     def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
                  unit_policy=None):
-        if opt_config.zero_stage != 0:
-            raise ValueError(f"--optimizer onebitadam runs at --zero-stage 0 (got "
-                             f"{opt_config.zero_stage}): its compressed exchange averages "
-                             "every rank's full momentum, which ZeRO partitions")
-        if opt_config.cpu_offload or opt_config.cpu_torch_adam:
-            raise ValueError("--optimizer onebitadam steps on the parameters' device: drop "
-                             "--cpu-offload / --cpu-torch-adam")
         super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                          unit_policy=unit_policy)
         self.freeze_step = opt_config.freeze_step
-        self.compressor = None  # built at the freeze (the momentum buffer exists by then)
 
     def describe(self) -> str:
         return (f"1-bit Adam (until step {self.freeze_step} {super().describe()}; then the "
@@ -67,13 +93,6 @@ class OneBitAdamOptimizer(ZeroOptimizer):
     @property
     def frozen(self) -> bool:
         return self.step_count >= self.freeze_step
-
-    def _compressor(self) -> CompressedAllReduce:
-        if self.compressor is None:
-            m = self.state["exp_avg"]  # [all parameters of this tp/pp cell] fp32
-            self.compressor = CompressedAllReduce(self.dp_group, m.numel(), sign_pack,
-                                                  device=m.device)
-        return self.compressor
 
     def _sync_reducer(self) -> None:
         self.reducer.suspended = self.frozen  # local gradients from the freeze on
@@ -87,9 +106,7 @@ class OneBitAdamOptimizer(ZeroOptimizer):
             return result
         scale = self.scaler.scale
         sumsq = self.grad_norm_sq()  # this rank's local gradient, over the mp group
-        bad = torch.tensor([0.0 if math.isfinite(sumsq) else 1.0], device=self.device)
-        comm.all_reduce(bad, self.dp_group, op=torch.distributed.ReduceOp.MAX)
-        found_inf = host_float(bad) > 0
+        found_inf = self._overflow(sumsq, local=True)
         grad_norm = math.sqrt(sumsq) / scale if not found_inf else float("nan")
         self.scaler.update(found_inf)
         if found_inf:
@@ -140,4 +157,4 @@ class OneBitAdamOptimizer(ZeroOptimizer):
             self._compressor().load_state_dict(ranks[self.dp_rank])
 
 
-__all__ = ["OneBitAdamOptimizer"]
+__all__ = ["CompressedAdamBase", "OneBitAdamOptimizer"]

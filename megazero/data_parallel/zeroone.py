@@ -37,30 +37,20 @@ import math
 
 import torch
 
-from megazero.data_parallel.zero import ZeroOptimizer
+from megazero.data_parallel.onebit import CompressedAdamBase
 from megazero.distributed import comm
-from megazero.distributed.compressed import CompressedAllReduce
-from megazero.distributed.device import host_float
 from megazero.distributed.parallel_state import ParallelState
-from megazero.ops import sign_pack
 from megazero.ops.cpu_adam import sqrt_f32
 
 _COUNTERS = ("var_interval", "var_counter", "var_updates", "local_step_interval",
              "local_step_counter")
 
 
-class ZeroOneAdamOptimizer(ZeroOptimizer):
+class ZeroOneAdamOptimizer(CompressedAdamBase):
     """``--optimizer zerooneadam`` (see the module docstring)."""
 
     def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
                  unit_policy=None):
-        if opt_config.zero_stage != 0:
-            raise ValueError(f"--optimizer zerooneadam runs at --zero-stage 0 (got "
-                             f"{opt_config.zero_stage}): its compressed exchanges average "
-                             "every rank's full buffers, which ZeRO partitions")
-        if opt_config.cpu_offload or opt_config.cpu_torch_adam:
-            raise ValueError("--optimizer zerooneadam steps on the parameters' device: drop "
-                             "--cpu-offload / --cpu-torch-adam")
         super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                          unit_policy=unit_policy)
         o = opt_config
@@ -71,7 +61,6 @@ class ZeroOneAdamOptimizer(ZeroOptimizer):
                              local_step_interval=1, local_step_counter=0)
         self.lrs = 0.0  # sum of the learning rates since the last synchronisation
         self.anchor = None  # [numel] fp32: the parameters at the last synchronisation
-        self.compressor = None
         self._sync_reducer()
 
     def describe(self) -> str:
@@ -87,13 +76,6 @@ class ZeroOneAdamOptimizer(ZeroOptimizer):
     def _sync_reducer(self) -> None:
         self.reducer.suspended = not self._full_step(self.step_count + 1)
 
-    def _compressor(self) -> CompressedAllReduce:
-        if self.compressor is None:
-            m = self.state["exp_avg"]  # [all parameters of this tp/pp cell] fp32
-            self.compressor = CompressedAllReduce(self.dp_group, m.numel(), sign_pack,
-                                                  device=m.device)
-        return self.compressor
-
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int]:
@@ -102,10 +84,7 @@ class ZeroOneAdamOptimizer(ZeroOptimizer):
         views = self.views
         divisor = self.scaler.scale * (self.dp_size if full else 1)
         sumsq = self.grad_norm_sq()
-        bad = torch.tensor([0.0 if math.isfinite(sumsq) else 1.0], device=self.device)
-        if not full:  # local gradients: every dp rank must agree to skip
-            comm.all_reduce(bad, self.dp_group, op=torch.distributed.ReduceOp.MAX)
-        found_inf = host_float(bad) > 0
+        found_inf = self._overflow(sumsq, local=not full)
         grad_norm = math.sqrt(sumsq) / divisor if not found_inf else float("nan")
         self.scaler.update(found_inf)
         if found_inf:
