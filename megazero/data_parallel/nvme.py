@@ -1,21 +1,23 @@
 """ZeRO-Infinity's optimizer offload to NVMe (``--offload-optimizer nvme --nvme-path DIR``):
-ZeRO stages 1-2 whose fp32 main values and Adam moments of this rank's dp partition live in
-files instead of host memory.
+ZeRO stages 1-3 whose fp32 main values and Adam moments of this rank's dp partition live in
+files instead of host memory (stage 3 through ``nvme_params.NvmeZero3Optimizer``).
 
 Layout: the partition's segments (parameter fragments, in partition order) are cut into
-sub-groups of about ``--nvme-sub-group-size`` elements; each sub-group's values sit in one file
-per kind (``main``, ``exp_avg``, ``exp_avg_sq``) at an offset aligned for O_DIRECT. The files
-are scratch (``DIR/megazero-swap-<rank>-<pid>/``), removed when the optimizer is closed or the
-process exits; checkpoints are written from them as usual (layout-free fragments), so a kill -9
-leaves the last checkpoint intact and never a checkpoint in the swap files.
+sub-groups of at most ``--nvme-sub-group-size`` elements (a segment crossing a sub-group's
+end continues in the next: the rules streamed here are element-wise); each sub-group's values
+sit in one file per kind (``main``, ``exp_avg``, ``exp_avg_sq``) at an offset aligned for
+O_DIRECT. The files are scratch (``DIR/megazero-swap-<host>-<rank>-<pid>-<random>/``),
+removed when the optimizer is collected or the process exits, and by the next run on this
+host after a kill; checkpoints are written from them as usual (layout-free fragments), so a
+kill -9 leaves the last checkpoint intact and never a checkpoint in the swap files.
 
 A step streams the sub-groups through two aligned host slots with the I/O engine
 (``megazero.ops.aio``): while sub-group g steps (the same update rule and kernel as
 ``--cpu-offload``, on the same fp32 values: bit for bit the CPU-offloaded step), g + 1 is read
 into the other slot and g - 1's results are still being written. The reduced gradients stay in
-the host buffer of ``--cpu-offload``; the updated main values are copied into the model's
-parameters per segment. Host memory for optimizer states: two slots, 2 x 3 x the largest
-sub-group in fp32, instead of 3 x the partition.
+the host buffer of ``--cpu-offload``; the updated main values are written into the model's
+parameter storage piece by piece. Host memory for optimizer states: two slots, 2 x 3 x the
+sub-group size in fp32, instead of 3 x the partition.
 
 Rules stepping element by element only (Adam, SGD): LAMB's trust ratio needs whole parameters.
 """
@@ -23,8 +25,12 @@ Rules stepping element by element only (Adam, SGD): LAMB's trust ratio needs who
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import re
 import shutil
+import socket
+import tempfile
 import weakref
 from dataclasses import dataclass
 
@@ -36,6 +42,8 @@ from megazero.distributed.parallel_state import ParallelState
 from megazero.ops.aio import ALIGN, AsyncIO, aligned_empty
 from megazero.optim.rules import LambRule, SegmentView
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class SubGroup:
@@ -43,52 +51,94 @@ class SubGroup:
     numel: int
     file_offset: int  # bytes, ALIGN-aligned
     io_numel: int  # numel rounded up to whole ALIGN blocks (what moves)
-    segments: list  # indices into layout.segments
+    pieces: list  # (segment index, lo, hi): elements [lo, hi) of layout.segments[index]
 
 
 def plan_subgroups(segments, target: int) -> list[SubGroup]:
-    """Consecutive segments (partition order) grouped until ``target`` elements."""
+    """The partition's segments (in partition order) cut into sub-groups spanning at most
+    ``target`` elements; a segment that crosses a sub-group's end continues in the next one
+    (the update rules streamed here are element-wise), so no slot is larger than ``target``."""
+    if target < 1:
+        raise ValueError(f"--nvme-sub-group-size must be >= 1 (got {target})")
     order = sorted(range(len(segments)), key=lambda i: segments[i].offset)
-    groups, current, offset = [], [], 0
+    groups, pieces, offset, start = [], [], 0, None
 
     def close():
-        nonlocal offset
-        first, last = segments[current[0]], segments[current[-1]]
-        numel = last.offset + last.numel - first.offset
+        nonlocal offset, pieces, start
+        i, _, hi = pieces[-1]
+        numel = segments[i].offset + hi - start
         io = -(-numel * 4 // ALIGN) * ALIGN // 4
-        groups.append(SubGroup(first.offset, numel, offset, io, list(current)))
+        groups.append(SubGroup(start, numel, offset, io, pieces))
         offset += io * 4
+        pieces, start = [], None
 
     for i in order:
-        if current and segments[i].offset + segments[i].numel - segments[current[0]].offset \
-                > target:
-            close()
-            current = []
-        current.append(i)
-    if current:
+        seg, lo = segments[i], 0
+        while lo < seg.numel:
+            if start is not None and seg.offset + lo - start >= target:
+                close()
+            if start is None:
+                start = seg.offset + lo
+            hi = min(seg.numel, start + target - seg.offset)
+            pieces.append((i, lo, hi))
+            lo = hi
+    if pieces:
         close()
     return groups
 
 
+def swap_directory(root: str, kind: str, rank: int) -> str:
+    """A fresh scratch directory ``root/megazero-<kind>-<host>-<rank>-<pid>-<random>`` for
+    swap files (one per optimizer or storage: a collected one removes its own only). Swap
+    directories that processes of this host left when they were killed (their pid is gone)
+    are removed first: they hold nothing a checkpoint needs."""
+    if not os.path.isdir(root) or not os.access(root, os.W_OK):
+        raise ValueError(f"--nvme-path {root}: not a writable directory")
+    host = socket.gethostname().replace("-", "_")
+    for name in os.listdir(root):
+        m = _SWAP_NAME.fullmatch(name)
+        if m and m["host"] == host and not _alive(int(m["pid"])):
+            logger.info("removing %s: swap files of a process that is gone",
+                        os.path.join(root, name))
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"megazero-{kind}-{host}-{rank}-{os.getpid()}-", dir=root)
+
+
+_SWAP_NAME = re.compile(r"megazero-(swap|params)-(?P<host>[^-]+)-\d+-(?P<pid>\d+)-\w+")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_at_exit(owner, path: str) -> None:
+    """Remove the swap directory when ``owner`` is collected or the process exits."""
+    weakref.finalize(owner, shutil.rmtree, path, True)
+    atexit.register(shutil.rmtree, path, True)
+
+
 class NvmeZeroOptimizer(ZeroOptimizer):
-    """ZeRO stages 1-2 with the optimizer states on NVMe (see the module docstring)."""
+    """ZeRO stages 1-3 with the optimizer states on NVMe (see the module docstring); at
+    stage 3 through ``NvmeZero3Optimizer``, which passes its layout and storage on."""
 
     def __init__(self, model_chunks, opt_config, ps: ParallelState, *, lr_scheduler=None,
-                 unit_policy=None):
-        if opt_config.zero_stage not in (1, 2):
-            raise ValueError(f"--offload-optimizer nvme runs at --zero-stage 1 or 2 (got "
+                 unit_policy=None, **zero3_parts):
+        if opt_config.zero_stage not in (1, 2, 3):
+            raise ValueError(f"--offload-optimizer nvme runs at --zero-stage 1-3 (got "
                              f"{opt_config.zero_stage})")
         super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
-                         unit_policy=unit_policy)
+                         unit_policy=unit_policy, **zero3_parts)
         if isinstance(self.rule, LambRule):
             raise ValueError("--offload-optimizer nvme steps sub-groups of parameters one at "
                              "a time; LAMB needs whole parameters: use --optimizer adam")
-        root = opt_config.nvme_path
-        if not os.path.isdir(root) or not os.access(root, os.W_OK):
-            raise ValueError(f"--nvme-path {root}: not a writable directory")
-        self.swap_dir = os.path.join(root, f"megazero-swap-{ps.rank}-{os.getpid()}")
-        os.makedirs(self.swap_dir, exist_ok=True)
-        _remove_at_exit(self, self.swap_dir)
+        self.swap_dir = swap_directory(opt_config.nvme_path, "swap", ps.rank)
+        remove_at_exit(self, self.swap_dir)
         self.kinds = ("main", *self.rule.state_names)
         self.paths = {k: os.path.join(self.swap_dir, f"{k}.bin") for k in self.kinds}
         self.groups = plan_subgroups(self.layout.segments, opt_config.nvme_sub_group_size)
@@ -105,12 +155,13 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         self.main_chunks, self.state = [], {}
         self.grad_host = torch.zeros(part, dtype=torch.float32)
         slot = self.slots[0]
+        model_values = self._model_reader()
         for g in self.groups:
             for k in self.kinds:
                 slot[k][:g.io_numel].zero_()
-            for i in g.segments:
+            for i, lo, hi in g.pieces:
                 seg = self.layout.segments[i]
-                slot["main"][self._local(g, seg)].copy_(self._model_values(seg))
+                slot["main"][self._local(g, seg, lo, hi)].copy_(model_values(seg)[lo:hi])
             self._write(g, slot)
             self.aio.wait_all()
         self._swapped = True
@@ -121,12 +172,20 @@ class NvmeZeroOptimizer(ZeroOptimizer):
             self._build_main_and_states()
         return []
 
-    def _local(self, g: SubGroup, seg) -> slice:
-        return slice(seg.offset - g.start, seg.offset - g.start + seg.numel)
+    def _local(self, g: SubGroup, seg, lo: int, hi: int) -> slice:
+        """Where elements [lo, hi) of ``seg`` sit in ``g``'s slot."""
+        return slice(seg.offset + lo - g.start, seg.offset + hi - g.start)
 
-    def _model_values(self, seg) -> torch.Tensor:
-        chunk = self.params.owned_chunk(self.layout.buckets[seg.bucket])
-        return chunk[seg.chunk_offset:seg.chunk_offset + seg.numel]
+    def _model_reader(self):
+        """``values(seg)``: the model's values of ``seg`` (a view of the bucket's owned chunk,
+        fetched once per bucket: a chunk of ``--offload-param nvme`` is read from its file)."""
+        cached = [None, None]
+
+        def values(seg) -> torch.Tensor:
+            if cached[0] != seg.bucket:
+                cached[:] = seg.bucket, self.params.owned_chunk(self.layout.buckets[seg.bucket])
+            return cached[1][seg.chunk_offset:seg.chunk_offset + seg.numel]
+        return values
 
     def _read(self, g: SubGroup, slot) -> list[int]:
         return [self.aio.submit_read(slot[k][:g.io_numel], self.paths[k], g.file_offset)
@@ -137,13 +196,14 @@ class NvmeZeroOptimizer(ZeroOptimizer):
                 for k in self.kinds]
 
     def _segment_views(self, g: SubGroup, slot) -> list[SegmentView]:
+        """One view per piece of ``g`` (a whole segment, or the part of it in ``g``)."""
         views = []
-        for i in g.segments:
+        for i, lo, hi in g.pieces:
             seg = self.layout.segments[i]
-            loc = self._local(g, seg)
+            loc = self._local(g, seg, lo, hi)
             wd = self._weight_decay(seg)
             views.append(SegmentView(slot["main"][loc],
-                                     self.grad_host[seg.offset:seg.offset + seg.numel], None,
+                                     self.grad_host[seg.offset + lo:seg.offset + hi], None,
                                      wd, {k: slot[k][loc] for k in self.rule.state_names},
                                      self._keys[seg.name]))
         return views
@@ -169,38 +229,48 @@ class NvmeZeroOptimizer(ZeroOptimizer):
             views = self._segment_views(g, slot)
             self.rule.apply(views, step=self.step_count, lr=lr, grad_scale=grad_scale,
                             params=self.param_table)
-            for i, v in zip(g.segments, views):
-                self._model_values(self.layout.segments[i]).copy_(v.main)
+            for (i, lo, _), v in zip(g.pieces, views):
+                self._write_model(self.layout.segments[i], lo, v.main)
             writes[n % 2] = self._write(g, slot)
+        self.params.flush()
         self.aio.wait_all()
 
+    def _write_model(self, seg, lo: int, values: torch.Tensor) -> None:
+        """The model's parameter storage, elements [lo, lo + numel) of ``seg`` = values."""
+        self.params.write(self.layout.buckets[seg.bucket], seg.chunk_offset + lo, values)
+
     # ---- checkpoints and reports ---------------------------------------------------------
-    def _each_segment(self, fn, write_back: bool) -> None:
-        """``fn(seg, {kind: [numel] view})`` for every segment, sub-group by sub-group."""
+    def _each_piece(self, fn, write_back: bool) -> None:
+        """``fn(seg, lo, hi, {kind: [hi - lo] view})`` for every piece of every segment,
+        sub-group by sub-group (a segment's pieces in order, lo = 0 first)."""
         self.views  # noqa: B018
         slot = self.slots[0]
         for g in self.groups:
             for h in self._read(g, slot):
                 self.aio.wait(h)
-            for i in g.segments:
+            for i, lo, hi in g.pieces:
                 seg = self.layout.segments[i]
-                loc = self._local(g, seg)
-                fn(seg, {k: slot[k][loc] for k in self.kinds})
+                loc = self._local(g, seg, lo, hi)
+                fn(seg, lo, hi, {k: slot[k][loc] for k in self.kinds})
             if write_back:
                 self._write(g, slot)
                 self.aio.wait_all()
 
     def sharded_state_dict(self) -> dict:
-        fragments = {}
+        fragments, whole = {}, {}
 
-        def take(seg, values):
-            entry = {"param_start": seg.param_start, "param_end": seg.param_end,
-                     "main": values["main"].clone()}
-            for k in self.rule.state_names:
-                entry[k] = values[k].clone()
-            fragments.setdefault(seg.name, []).append(entry)
+        def take(seg, lo, hi, values):  # a segment's pieces assembled into one fragment
+            if lo == 0:
+                whole[seg.name, seg.param_start] = {k: torch.empty(seg.numel) for k in values}
+            parts = whole[seg.name, seg.param_start]
+            for k, v in values.items():
+                parts[k][lo:hi].copy_(v)
+            if hi == seg.numel:
+                del whole[seg.name, seg.param_start]
+                fragments.setdefault(seg.name, []).append(
+                    {"param_start": seg.param_start, "param_end": seg.param_end, **parts})
 
-        self._each_segment(take, write_back=False)
+        self._each_piece(take, write_back=False)
         return {"zero_stage": self.stage, "step": self.step_count,
                 "scaler": self.scaler.state_dict(), "fragments": fragments,
                 "state_names": list(self.rule.state_names)}
@@ -211,22 +281,30 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         frags = state.get("fragments", {})
         self.param_gather.wait_all()
 
-        def put(seg, values):
-            saved = fragment_reader(seg.name, seg.param_start, seg.param_end) \
-                if fragment_reader is not None else find_fragment(frags, seg)
-            for k in self.kinds:
-                values[k].copy_(saved[k])
-            self._model_values(seg).copy_(values["main"])
+        saved = {}
 
-        self._each_segment(put, write_back=True)
+        def put(seg, lo, hi, values):  # read each segment once, at its first piece
+            key = seg.name, seg.param_start
+            if lo == 0:
+                saved[key] = fragment_reader(seg.name, seg.param_start, seg.param_end) \
+                    if fragment_reader is not None else find_fragment(frags, seg)
+            for k in self.kinds:
+                values[k].copy_(saved[key][k][lo:hi])
+            self._write_model(seg, lo, values["main"])
+            if hi == seg.numel:
+                del saved[key]
+
+        self._each_piece(put, write_back=True)
+        self.params.flush()
         if self.shard:
             self._all_gather_params()
 
     def reload_model_params(self) -> None:
         if not self._swapped:
             return
-        self._each_segment(lambda seg, values: values["main"].copy_(self._model_values(seg)),
-                           write_back=True)
+        model_values = self._model_reader()
+        self._each_piece(lambda seg, lo, hi, values: values["main"].copy_(
+            model_values(seg)[lo:hi]), write_back=True)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": self.params.tensors(), "grads": [*self.grads.tensors(),
@@ -245,12 +323,6 @@ class NvmeZeroOptimizer(ZeroOptimizer):
     def close(self) -> None:
         self.aio.close()
         shutil.rmtree(self.swap_dir, ignore_errors=True)
-
-
-def _remove_at_exit(owner, path: str) -> None:
-    """Remove the swap directory when ``owner`` is collected or the process exits."""
-    weakref.finalize(owner, shutil.rmtree, path, True)
-    atexit.register(shutil.rmtree, path, True)
 
 
 __all__ = ["NvmeZeroOptimizer", "SubGroup", "plan_subgroups"]
