@@ -201,7 +201,11 @@ def _add_optimizer_args(parser):
     g.add("--offload-optimizer", choices=["cpu", "nvme"],
           help="cpu: --cpu-offload; nvme: fp32 main values and moments in files under "
                "--nvme-path, streamed through the host (ZeRO-Infinity)")
-    g.add("--nvme-path", help="a directory on a fast disk for --offload-optimizer nvme")
+    g.add("--offload-param", choices=["nvme"],
+          help="nvme (ZeRO-3): this rank's parameter partition in files under --nvme-path, "
+               "read when a unit is gathered (ZeRO-Infinity); needs --offload-optimizer")
+    g.add("--nvme-path", help="a directory on a fast disk for --offload-optimizer/--offload-"
+                              "param nvme")
     g.add("--nvme-sub-group-size", type=int,
           help="elements per streamed sub-group of --offload-optimizer nvme")
     g.add("--nvme-threads", type=int, help="I/O threads of --offload-optimizer nvme")

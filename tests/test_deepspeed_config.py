@@ -97,8 +97,10 @@ INVALID = [  # (config, the text the message must hold)
      "zero_optimization.contiguous_gradients"),
     (_with(ZERO2, "zero_optimization.stage3_max_live_parameters", 0),
      "zero_optimization.stage3_max_live_parameters"),
-    (_with(ZERO2, "zero_optimization.sub_group_size", 10**9),
-     "zero_optimization.sub_group_size"),
+    (_with(ZERO2, "zero_optimization.sub_group_size", 0), "zero_optimization.sub_group_size"),
+    (_with(ZERO3, "zero_optimization.offload_param", {"device": "nvme"}),
+     "zero_optimization.offload_param.device"),  # nvme without nvme_path
+    (_with(ZERO2, "aio", {"thread_count": 0}), "aio.thread_count"),
     (_with(ZERO2, "activation_checkpointing", {"contiguous_memory_optimization": True}),
      "activation_checkpointing.contiguous_memory_optimization"),
     (_with(ZERO2, "amp", {"enabled": True}), "amp"),
@@ -150,6 +152,28 @@ def test_tutorial_configs_translate():
                            world_size=2).fields
     assert nvme["optimizer.offload_optimizer"] == "nvme"
     assert nvme["optimizer.nvme_path"] == "/local_nvme"
+    # ZeRO-Infinity as DeepSpeed's tutorial writes it: states and parameters on NVMe
+    infinity = parse_ds_config(_with(_with(_with(ZERO3, "zero_optimization.offload_optimizer",
+                                                 {"device": "nvme", "nvme_path": "/nvme",
+                                                  "pin_memory": True}),
+                                           "zero_optimization.offload_param",
+                                           {"device": "nvme", "nvme_path": "/nvme",
+                                            "buffer_count": 5, "buffer_size": 1e8,
+                                            "max_in_cpu": 1e9}),
+                                     "aio", {"block_size": 1048576, "queue_depth": 8,
+                                             "thread_count": 2, "single_submit": False,
+                                             "overlap_events": True}),
+                               world_size=2).fields
+    assert infinity["optimizer.offload_param"] == "nvme"
+    assert infinity["optimizer.nvme_path"] == "/nvme" and infinity["optimizer.nvme_threads"] == 2
+    with pytest.raises(DeepSpeedConfigError, match="differs from offload_optimizer.nvme_path"):
+        parse_ds_config(_with(_with(ZERO3, "zero_optimization.offload_optimizer",
+                                    {"device": "nvme", "nvme_path": "/a"}),
+                              "zero_optimization.offload_param",
+                              {"device": "nvme", "nvme_path": "/b"}), world_size=2)
+    sub = parse_ds_config(_with(ZERO2, "zero_optimization.sub_group_size", 10**9),
+                          world_size=2).fields
+    assert sub["optimizer.nvme_sub_group_size"] == 10**9
     zo = parse_ds_config(ZEROONE, world_size=2).fields
     assert zo["optimizer.optimizer"] == "zerooneadam" and zo["optimizer.var_freeze_step"] == 1000
     assert zo["optimizer.local_step_clipper"] == 16

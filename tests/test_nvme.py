@@ -7,6 +7,7 @@ import os
 import pytest
 
 from megazero.config import ConfigError, OptimizerConfig
+from tests.test_dryrun import dry_run_cli
 from tests.train_helper import TINY, assert_same_run, run_training
 
 
@@ -41,11 +42,105 @@ def test_checkpoints_move_between_nvme_and_memory_at_any_layout(tmp_path):
 def test_refusals_name_the_flags(tmp_path):
     with pytest.raises(ConfigError, match="--nvme-path"):
         OptimizerConfig(zero_stage=2, offload_optimizer="nvme")
-    with pytest.raises(ConfigError, match="--zero-stage 1 or 2"):
-        OptimizerConfig(zero_stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="--zero-stage 1, 2 or 3"):
+        OptimizerConfig(zero_stage=0, offload_optimizer="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="--offload-param nvme .* --zero-stage 3 \\(got 2\\)"):
+        OptimizerConfig(zero_stage=2, offload_optimizer="nvme", offload_param="nvme",
+                        nvme_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="--offload-optimizer cpu or nvme"):
+        OptimizerConfig(zero_stage=3, offload_param="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="--nvme-path"):
+        OptimizerConfig(zero_stage=3, cpu_offload=True, offload_param="nvme")
     with pytest.raises(ConfigError, match="LAMB"):
         OptimizerConfig(zero_stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path),
                         optimizer="lamb")
     with pytest.raises(Exception, match="not a writable directory"):
         run_training(TINY + " --train-iters 3 --zero-stage 2 --offload-optimizer nvme "
                      f"--nvme-path {tmp_path / 'missing'}", 1)
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_zero3_optimizer_and_parameters_on_nvme_equal_cpu_offload_bit_for_bit(tmp_path, world):
+    base = TINY + " --train-iters 4 --zero-stage 3"
+    cpu = run_training(base + " --cpu-offload", world)
+    nvme = f" --nvme-path {tmp_path} --nvme-sub-group-size 3000"
+    states = run_training(base + " --offload-optimizer nvme" + nvme, world)
+    assert_same_run(states, cpu, rtol=0, what="ZeRO-3 optimizer states on NVMe")
+    both = run_training(base + " --offload-optimizer nvme --offload-param nvme" + nvme, world)
+    assert_same_run(both, cpu, rtol=0, what="ZeRO-3 states and parameters on NVMe")
+    params = run_training(base + " --cpu-offload --offload-param nvme" + nvme, world)
+    assert_same_run(params, cpu, rtol=0, what="ZeRO-3 parameters on NVMe")
+    memory = both[2][0]["memory"]
+    assert memory["params"] == 0  # TINY has no persistent parameters: none resident
+    assert memory["nvme_param_bytes"] >= 4 * sum(p.numel() for p in cpu[1].values()) // world
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("megazero-")]
+
+
+def test_dry_run_of_a_zero_infinity_rank_moves_no_bytes(tmp_path):
+    """One rank of a 64-rank ZeRO-3 job with states and parameters on NVMe, on fake CUDA:
+    the swap I/O of fake tensors completes without moving bytes; parameters stay off the
+    device between gathers (only the memory report's NVMe bytes carry them)."""
+    report, _ = dry_run_cli(f"--tensor-model-parallel-size 2 --global-batch-size 32 "
+                            f"--zero-stage 3 --offload-optimizer nvme --offload-param nvme "
+                            f"--nvme-path {tmp_path}", 5, 64)
+    mr = report["memory_report"]
+    assert mr["params"] == 0 and mr["nvme_param_bytes"] > 0 and mr["nvme_bytes"] > 0
+    assert report["optimizer_state_bytes"] == 0
+    assert not os.listdir(tmp_path)
+
+
+# Runs pretrain_gpt2.py with NvmeZeroOptimizer._write slowed down in one step: after that
+# step's second sub-group went to the swap files it writes a marker and sleeps, so that the
+# test's SIGKILL lands in the middle of the streamed update (swap files half old, half new).
+_STALL = r"""
+import os, runpy, sys, time
+from megazero.data_parallel import nvme
+write, calls = nvme.NvmeZeroOptimizer._write, {}
+def stalled(self, g, slot):
+    handles = write(self, g, slot)
+    if self.step_count == int(os.environ["STALL_STEP"]):
+        calls["n"] = calls.get("n", 0) + 1
+        if calls["n"] == 2:
+            self.aio.wait_all()
+            open(os.environ["STALL_MARKER"], "w").close()
+            time.sleep(600)
+    return handles
+nvme.NvmeZeroOptimizer._write = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_kill_9_during_an_nvme_step_leaves_the_last_checkpoint_loadable(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    swap, save, marker = tmp_path / "nvme", tmp_path / "ckpt", tmp_path / "stalled"
+    swap.mkdir()
+    base = TINY + " --train-iters 6 --zero-stage 2"
+    nvme = f" --offload-optimizer nvme --nvme-path {swap} --nvme-sub-group-size 3000"
+    env = {**os.environ, "STALL_STEP": "5", "STALL_MARKER": str(marker),
+           "OMP_NUM_THREADS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _STALL, "pretrain_gpt2.py",
+                             *(base + nvme).split(), "--save", str(save),
+                             "--save-interval", "4"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.communicate(timeout=60)[0].decode()[-3000:]
+    os.kill(proc.pid, signal.SIGKILL)  # in step 5, after iteration 4's checkpoint
+    proc.wait(timeout=60)
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    left = [p for p in os.listdir(swap) if p.startswith("megazero-swap-")]
+    assert len(left) == 1  # the killed run's scratch, never read again
+    # the checkpoint resumes, with NVMe and without, as the uninterrupted run goes on
+    full = run_training(base + " --cpu-offload", 1)
+    resumed = run_training(base + nvme + f" --load {save}", 1)
+    assert resumed[0] == full[0][4:]
+    assert not os.listdir(swap)  # the dead run's swap directory was removed at the start
+    in_memory = run_training(base + f" --load {save}", 1)
+    assert in_memory[0] == full[0][4:]

@@ -54,7 +54,12 @@ SCHEMA = {
                   "params": _DICT},
     "zero_optimization": {
         "stage": _choice(0, 1, 2, 3), "offload_optimizer": _OFFLOAD,
-        "offload_param": {"device": _choice("none")}, "overlap_comm": _BOOL,
+        # offload_param's buffer_count/buffer_size/max_in_cpu tune DeepSpeed's pool of
+        # parameter buffers; megazero reads each unit's chunk when it is gathered (no pool)
+        "offload_param": {"device": _choice("none", "nvme"), "nvme_path": _STR,
+                          "pin_memory": _BOOL, "buffer_count": _int(1),
+                          "buffer_size": _float(0.0), "max_in_cpu": _float(0.0)},
+        "sub_group_size": _int(1), "overlap_comm": _BOOL,
         "contiguous_gradients": _choice(True), "reduce_bucket_size": _int(1),
         "allgather_bucket_size": _int(1), "stage3_prefetch_bucket_size": _int(0),
         "stage3_param_persistence_threshold": _int(0), "stage3_max_live_parameters": _int(1),
@@ -65,6 +70,11 @@ SCHEMA = {
                                  "cpu_checkpointing": _BOOL},
     "tensorboard": {"enabled": _BOOL, "output_path": _STR, "job_name": _STR},
     "wandb": {"enabled": _BOOL, "project": _STR},
+    # the NVMe I/O engine: thread_count is --nvme-threads; megazero's engine moves requests
+    # in 1 MiB blocks with one thread pool (block_size, queue_depth, single_submit and
+    # overlap_events tune libaio and are accepted without effect)
+    "aio": {"thread_count": _int(1), "block_size": _int(1), "queue_depth": _int(1),
+            "single_submit": _BOOL, "overlap_events": _BOOL},
 }
 _ADAM = {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
          "weight_decay": _float(0.0), "adam_w_mode": _BOOL, "torch_adam": _BOOL,
@@ -99,16 +109,13 @@ REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num
 # DeepSpeed keys megazero does not have: key path -> what to do instead
 REFUSED = {
     "optimizer.type=OneBitLamb": "1-bit LAMB is not available; use Lamb",
-    "zero_optimization.offload_param.device=cpu": "megazero offloads optimizer states only "
-                                                  "(offload_optimizer); use device none",
-    "zero_optimization.offload_param.device=nvme": "megazero offloads optimizer states only "
-                                                   "(offload_optimizer); use device none",
+    "zero_optimization.offload_param.device=cpu": "megazero offloads parameters to NVMe "
+                                                  "(device nvme, stage 3); use nvme or none",
     "activation_checkpointing.number_checkpoints": "use --recompute-num-layers",
     "activation_checkpointing.synchronize_checkpoint_boundary": "drop it",
     "activation_checkpointing.profile": "use --log-timers",
     "zero_optimization.stage3_max_reuse_distance": "drop it (megazero frees each unit after "
                                                    "its forward and backward)",
-    "zero_optimization.sub_group_size": "drop it (megazero steps each dp partition at once)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "megazero's checkpoints are "
                                                                    "layout-free; drop it",
     "zero_optimization.round_robin_gradients": "drop it",
@@ -118,8 +125,7 @@ REFUSED = {
     "sparse_gradients": "drop it", "flops_profiler": "use --profile (torch.profiler)",
     "compression_training": "drop it", "data_efficiency": "drop it", "elasticity": "drop it",
     "autotuning": "use python -m megazero.plan when available, or the dry run",
-    "comms_logger": "use megazero's comm statistics", "aio": "NVMe offload is not available "
-                                                            "yet; drop it",
+    "comms_logger": "use megazero's comm statistics",
     "checkpoint": "drop it (checkpoints are always layout-free)",
     "zero_allow_untested_optimizer": "drop it", "zero_force_ds_cpu_optimizer": "drop it",
     "sparse_attention": "drop it", "pipeline": "use --pipeline-model-parallel-size",
@@ -289,6 +295,8 @@ def parse_ds_config(source, world_size: int, tp: int = 1, pp: int = 1) -> DeepSp
     _optimizer(cfg.get("optimizer"), f)
     scheduler = _scheduler(cfg.get("scheduler"))
     _zero(cfg.get("zero_optimization", {}), f)
+    if "thread_count" in cfg.get("aio", {}):
+        f["optimizer.nvme_threads"] = cfg["aio"]["thread_count"]
     ac = cfg.get("activation_checkpointing", {})
     if ac.get("partition_activations"):
         f["model.recompute_activations"] = True
@@ -372,6 +380,21 @@ def _zero(z: dict, f: dict) -> None:
                                        "nvme needs offload_optimizer.nvme_path")
         f["optimizer.offload_optimizer"] = "nvme"
         f["optimizer.nvme_path"] = off["nvme_path"]
+    par = z.get("offload_param", {})
+    if par.get("device") == "nvme":
+        path = par.get("nvme_path", off.get("nvme_path"))
+        if path is None:
+            raise DeepSpeedConfigError("ds_config zero_optimization.offload_param.device nvme "
+                                       "needs offload_param.nvme_path")
+        if f.get("optimizer.nvme_path", path) != path:
+            raise DeepSpeedConfigError(
+                f"ds_config zero_optimization.offload_param.nvme_path ({path}) differs from "
+                f"offload_optimizer.nvme_path ({f['optimizer.nvme_path']}): megazero keeps "
+                "both kinds of swap files under one --nvme-path")
+        f["optimizer.offload_param"] = "nvme"
+        f["optimizer.nvme_path"] = path
+    if "sub_group_size" in z:
+        f["optimizer.nvme_sub_group_size"] = z["sub_group_size"]
     if "overlap_comm" in z:
         f["optimizer.overlap_grad_reduce"] = z["overlap_comm"]
     reduce, gather = z.get("reduce_bucket_size"), z.get("allgather_bucket_size")

@@ -113,6 +113,8 @@ class OptimizerConfig:
     # --offload-optimizer nvme: the fp32 main values and moments in files under nvme_path,
     # streamed in sub-groups of nvme_sub_group_size elements by nvme_threads I/O threads
     offload_optimizer: str | None = None  # None | cpu | nvme
+    # --offload-param nvme (ZeRO-3): this rank's parameter chunks in files under nvme_path
+    offload_param: str | None = None  # None | nvme
     nvme_path: str | None = None
     nvme_sub_group_size: int = 1 << 22
     nvme_threads: int = 4
@@ -186,12 +188,22 @@ class OptimizerConfig:
                f"--offload-optimizer must be cpu or nvme, got {self.offload_optimizer!r}")
         if self.offload_optimizer in ("cpu", "nvme"):
             self.cpu_offload = True  # NVMe streams through the host, as --cpu-offload
-        _check((self.offload_optimizer == "nvme") == (self.nvme_path is not None),
-               "--offload-optimizer nvme and --nvme-path DIR go together")
+        _check(self.offload_param in (None, "none", "nvme"),
+               f"--offload-param must be nvme, got {self.offload_param!r}")
+        nvme = self.offload_optimizer == "nvme" or self.offload_param == "nvme"
+        _check(nvme == (self.nvme_path is not None),
+               "--offload-optimizer nvme / --offload-param nvme and --nvme-path DIR go "
+               "together")
+        _check(not (self.offload_param == "nvme" and self.zero_stage != 3),
+               "--offload-param nvme partitions parameters into files: it needs "
+               f"--zero-stage 3 (got {self.zero_stage})")
+        _check(not (self.offload_param == "nvme" and not self.cpu_offload),
+               "--offload-param nvme keeps no fp32 main values with the parameters: add "
+               "--offload-optimizer cpu or nvme (or --cpu-offload)")
         _int_at_least(self.nvme_sub_group_size, "--nvme-sub-group-size", 1)
         _int_at_least(self.nvme_threads, "--nvme-threads", 1)
-        _check(not (self.offload_optimizer == "nvme" and self.zero_stage not in (1, 2)),
-               "--offload-optimizer nvme needs --zero-stage 1 or 2")
+        _check(not (self.offload_optimizer == "nvme" and self.zero_stage not in (1, 2, 3)),
+               "--offload-optimizer nvme needs --zero-stage 1, 2 or 3")
         _check(not (self.offload_optimizer == "nvme" and self.optimizer not in ("adam", "sgd")),
                "--offload-optimizer nvme steps parameters in sub-groups: --optimizer adam or "
                "sgd (LAMB needs whole parameters)")

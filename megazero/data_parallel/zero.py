@@ -70,6 +70,14 @@ class FlatParams:
         c0, c1 = self.layout.owned_chunk(bucket)
         return self.buffer[c0:c1]
 
+    def write(self, bucket, offset: int, values: torch.Tensor) -> None:
+        """Owned chunk of ``bucket``, elements [offset, offset + numel) = ``values``."""
+        self.owned_chunk(bucket)[offset:offset + values.numel()].copy_(values,
+                                                                         non_blocking=True)
+
+    def flush(self) -> None:
+        """Writes are complete (nothing is held back here)."""
+
     def replicated_buckets(self):
         """Buckets whose full parameters every rank holds (all-gathered after the step)."""
         return self.layout.buckets
@@ -274,7 +282,8 @@ class ZeroOptimizer:
     def _params_from_host(self):
         """--cpu-offload: updated fp32 main values -> the model's parameters (its dtype)."""
         for bucket, main in zip(self.layout.buckets, self.main_chunks):
-            self.params.owned_chunk(bucket).copy_(main, non_blocking=True)
+            self.params.write(bucket, 0, main)
+        self.params.flush()
         synchronize(self.device)
 
     def _all_gather_params(self):

@@ -92,34 +92,46 @@ def unit_layout(named, units: list[Unit], persistent: list[str], ps) -> FlatLayo
 
 class PartitionedParams:
     """This rank's chunk of every unit bucket (one flat ``partition``) and the persistent
-    bucket whole (``persist_buffer``); unit parameters hold no storage until gathered."""
+    bucket whole (``persist_buffer``); unit parameters hold no storage until gathered.
+
+    ``owned_chunk(bucket)`` is this rank's chunk (here a view; ``write``/``flush`` are how
+    the optimizer and checkpoint loads change it, so that a storage in files
+    (``nvme_params.SwappedParams``) can stand in)."""
+
+    swapped = False  # unit chunks live in this object (the gatherer may keep views at dp 1)
 
     def __init__(self, layout: FlatLayout, persistent_bucket: int | None, dtype, device, *,
                  fill):
         self.layout, self.persistent_bucket = layout, persistent_bucket
+        self.dtype, self.device = dtype, device
         self.offsets = layout.bucket_owned_offsets()
-        self.partition = torch.zeros(layout.partition_numel, dtype=dtype, device=device)
         pb = persistent_bucket
         self.persist_buffer = None
         if pb is not None:
             b = layout.buckets[pb]
             self.persist_buffer = torch.zeros(b.numel, dtype=dtype, device=device)
-        for seg in layout.segments:
-            if seg.bucket != pb:
-                fill(seg.name, seg.param, self.partition[seg.offset:seg.offset + seg.numel],
-                     seg.param_start)
+        self._store_units(fill)
         if pb is not None:
             bucket = layout.buckets[pb]
             for pr in bucket.params:
                 view = self.persist_buffer[pr.start - bucket.start:pr.end - bucket.start]
                 fill(pr.name, pr.param, view, 0)
                 pr.param.data = view.view(meta_of(pr.param).local_shape)
-        if layout.dp_size > 1:
+        if layout.dp_size > 1 or self.swapped:
             empty = torch.empty(0, dtype=dtype, device=device)
             for bucket in layout.buckets:
                 if bucket.index != pb:
                     for pr in bucket.params:
                         pr.param.data = empty
+
+    def _store_units(self, fill) -> None:
+        """This rank's chunks of the unit buckets, back to back in ``partition``."""
+        self.partition = torch.zeros(self.layout.partition_numel, dtype=self.dtype,
+                                     device=self.device)
+        for seg in self.layout.segments:
+            if seg.bucket != self.persistent_bucket:
+                fill(seg.name, seg.param, self.partition[seg.offset:seg.offset + seg.numel],
+                     seg.param_start)
 
     def owned_chunk(self, bucket) -> torch.Tensor:
         if bucket.index == self.persistent_bucket:
@@ -127,6 +139,14 @@ class PartitionedParams:
             return self.persist_buffer[c0 - bucket.start:c1 - bucket.start]
         o0, o1 = self.offsets[bucket.index]
         return self.partition[o0:o1]
+
+    def write(self, bucket, offset: int, values: torch.Tensor) -> None:
+        """Owned chunk of ``bucket``, elements [offset, offset + numel) = ``values``."""
+        self.owned_chunk(bucket)[offset:offset + values.numel()].copy_(values,
+                                                                         non_blocking=True)
+
+    def flush(self) -> None:
+        """Writes are complete (a storage in files writes back what it holds)."""
 
     def replicated_buckets(self):
         pb = self.persistent_bucket
@@ -149,11 +169,13 @@ class Zero3Optimizer(ZeroOptimizer):
     """ZeRO-3 over ``model_chunks`` on ``ps.dp_group`` (see the module docstring).
 
     ``unit_policy(chunk)`` gives the units (default: every module with direct parameters);
-    ``seed`` initialises parameters built on the meta device, keyed by their names.
+    ``seed`` initialises parameters built on the meta device, keyed by their names;
+    ``storage_factory`` builds the parameter storage (default ``PartitionedParams``; in files:
+    ``nvme_params.SwappedParams``).
     """
 
     def __init__(self, model_chunks, opt_config, ps, *, lr_scheduler=None, seed: int = 0,
-                 unit_policy: UnitPolicy | None = None):
+                 unit_policy: UnitPolicy | None = None, storage_factory=None):
         on_meta = _replace_meta_params(model_chunks, ps.device)
         named = collect_named_params(model_chunks)
         for _, p in named:
@@ -177,12 +199,13 @@ class Zero3Optimizer(ZeroOptimizer):
             else:
                 dst.copy_(param.data.reshape(-1)[start:start + dst.numel()])
 
-        storage = PartitionedParams(layout, pb, dtype, ps.device, fill=fill)
+        storage = (storage_factory or PartitionedParams)(layout, pb, dtype, ps.device, fill=fill)
         gatherer = UnitGatherer(layout, units, storage.owned_chunk, ps.dp_group, dtype=dtype,
                                 device=ps.device, prefetch=opt_config.zero_prefetch,
                                 max_live=opt_config.zero_max_live_parameters,
-                                check_order=opt_config.zero3_order_check)
-        if ps.dp_size == 1:  # nothing to gather: parameters are views of the partition
+                                check_order=opt_config.zero3_order_check,
+                                resident=not storage.swapped)
+        if gatherer.resident:  # nothing to gather: parameters are views of the partition
             for unit in units:
                 gatherer.materialize(unit, [storage.owned_chunk(layout.buckets[b])
                                             for b in unit.buckets])
@@ -193,6 +216,8 @@ class Zero3Optimizer(ZeroOptimizer):
                          named_params=named, layout=layout, params=storage, device=ps.device,
                          reducer_hooks=hooks)
         self.units, self.gatherer = units, gatherer
+        if storage.swapped:  # the swap files go with the optimizer (the model's hooks may
+            weakref.finalize(self, storage.close)  # keep the storage itself a while longer)
         self._param_name = {id(pr.param): n for n, pr in layout.ranges.items()}
         # Weakly: the parameters must not keep their optimizer (and its process groups)
         # alive; torch does not traverse a parameter's attributes for garbage collection
@@ -247,11 +272,11 @@ class Zero3Optimizer(ZeroOptimizer):
                                   for pr in bucket.params])
                 self.gatherer.check("broadcast", b)
                 comm.broadcast(full, src, self.dp_group)
-                owned = self.params.owned_chunk(bucket)
                 c0, c1 = self.layout.owned_chunk(bucket)
                 real = min(c1, bucket.start + full.numel()) - c0
                 if real > 0:
-                    owned[:real].copy_(full[c0 - bucket.start:c0 - bucket.start + real])
+                    self.params.write(bucket, 0, full[c0 - bucket.start:c0 - bucket.start + real])
+        self.params.flush()
         self.reload_model_params()
 
     # ---- reports and checkpoints ---------------------------------------------------------
@@ -259,6 +284,8 @@ class Zero3Optimizer(ZeroOptimizer):
         report = super().memory_report()
         report["gathered"] = self.gatherer.held_bytes()  # full units alive now
         report["gathered_peak"] = self.gatherer.peak_live_bytes
+        if self.params.swapped:  # --offload-param nvme: the unit chunks are in a file
+            report["nvme_param_bytes"] = self.params.file_bytes
         return report
 
     def _owned_model_values(self, seg) -> torch.Tensor:
@@ -288,7 +315,9 @@ class Zero3Optimizer(ZeroOptimizer):
             for seg in self.layout.segments:
                 values = fragment_reader(seg.name, seg.param_start, seg.param_end) \
                     if fragment_reader is not None else find_fragment(state["fragments"], seg)
-                self._owned_model_values(seg).copy_(values["model"])
+                self.params.write(self.layout.buckets[seg.bucket], seg.chunk_offset,
+                                  values["model"])
+            self.params.flush()
             self.reload_model_params()
             if self.shard:
                 self._all_gather_params()

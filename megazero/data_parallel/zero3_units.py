@@ -85,7 +85,7 @@ class _PackedView:
     bucket: int
     shape: tuple
     stride: tuple
-    offset: int
+    offset: int  # elements from the start of the gathered buffer
 
 
 class ZeroOrderError(RuntimeError):
@@ -101,9 +101,12 @@ class UnitGatherer:
 
     def __init__(self, layout: FlatLayout, units: list[Unit], owned_chunk, dp_group, *,
                  dtype: torch.dtype, device: torch.device, prefetch: bool, check_order: bool,
-                 max_live: int | None = None):
+                 max_live: int | None = None, resident: bool = True):
         self.layout, self.units, self.owned_chunk = layout, units, owned_chunk
         self.dp_group, self.dp_size = dp_group, comm.group_size(dp_group)
+        # At dp 1 the parameters stay views of the owned chunks (nothing to gather), unless
+        # the chunks are read from files (``resident=False``: --offload-param nvme)
+        self.resident = resident and self.dp_size == 1
         self.dtype, self.device = dtype, device
         self.prefetch, self.check_order = prefetch, check_order
         self.max_live = max_live  # elements gathered beyond which nothing is prefetched
@@ -143,15 +146,19 @@ class UnitGatherer:
     def _start_gather(self, b: int, async_op: bool):
         bucket = self.layout.buckets[b]
         self.check("gather", b)
-        full = self.proto.new_empty(bucket.numel)
         self._account(bucket.numel)
+        if self.dp_size == 1:  # the chunk read from its file is the bucket
+            full = self.owned_chunk(bucket)[:bucket.numel]
+            self.buffers.append(weakref.ref(full))
+            return full, None
+        full = self.proto.new_empty(bucket.numel)
         self.buffers.append(weakref.ref(full))
         work = comm.all_gather_into(full, self.owned_chunk(bucket), self.dp_group,
                                     async_op=async_op)
         return full, work
 
     def fetch(self, unit: Unit, direction: int = 1, prefetch: bool = True) -> None:
-        if unit.gathered or self.dp_size == 1:
+        if unit.gathered or self.resident:
             return
         fulls = []
         for b in unit.buckets:
@@ -206,7 +213,7 @@ class UnitGatherer:
         unit.forward_uses = 0
 
     def release(self, unit: Unit) -> None:
-        if not unit.gathered or unit.pins > 0 or self.dp_size == 1:
+        if not unit.gathered or unit.pins > 0 or self.resident:
             return
         empty = self.proto.new_empty(0)
         for b in unit.buckets:
@@ -274,7 +281,7 @@ class UnitGatherer:
             self.release(unit)
 
     def _enter_saved_hooks(self) -> None:
-        if self.dp_size == 1 or not torch.is_grad_enabled():
+        if self.resident or not torch.is_grad_enabled():
             self.hook_stack.append(None)
             return
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -293,7 +300,10 @@ class UnitGatherer:
         if entry is None:
             return t
         unit, b = entry
-        return _PackedView(unit, b, tuple(t.shape), t.stride(), t.storage_offset())
+        # the offset from the buffer's own start: a buffer gathered again may begin elsewhere
+        # in its storage (a chunk read from a swap file sits at an aligned address inside)
+        offset = t.storage_offset() - unit.fulls[b].storage_offset()
+        return _PackedView(unit, b, tuple(t.shape), t.stride(), offset)
 
     def _unpack(self, packed):
         if not isinstance(packed, _PackedView):
@@ -302,7 +312,8 @@ class UnitGatherer:
         if not unit.gathered:  # backward reached it before its module's pre-hook: gather
             self.fetch(unit, -1, prefetch=False)
         full = unit.fulls[packed.bucket]
-        return full.as_strided(packed.shape, packed.stride, packed.offset)
+        return full.as_strided(packed.shape, packed.stride,
+                               full.storage_offset() + packed.offset)
 
     def held_bytes(self) -> int:
         """Bytes of gathered buffers still alive, referenced by anyone (the optimizer, or a

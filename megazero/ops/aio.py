@@ -15,10 +15,11 @@ allocates such tensors); the unaligned tail, and requests at unaligned addresses
 go through a buffered descriptor. A filesystem refusing O_DIRECT (EINVAL: tmpfs, some FUSE)
 gets buffered I/O for that file, recorded in ``direct_refused``. Writes create the file
 (mode 0644; an empty write too) and never truncate it; a read reaching end of file early is
-an error (EIO, "unexpected end of file"). Errors surface at ``wait``/``wait_all``, never at
-submit (an open failure completes the request at once, failed). A request's tensor is kept
-alive until it is waited for; the caller must not resize it or (for reads) use its bytes
-before then.
+an error (EIO, "unexpected end of file"). A fake tensor (the dry run: a shape without
+memory) moves nothing: its request completes at once and counts in ``fake_bytes_*``. Errors
+surface at ``wait``/``wait_all``, never at submit (an open failure completes the request at
+once, failed). A request's tensor is kept alive until it is waited for; the caller must not
+resize it or (for reads) use its bytes before then.
 
 Engines: the C++ one (``csrc/aio``, built as ``megazero.ops._aio``: std::thread pool,
 pread/pwrite, no libtorch) or, when it is not built or disabled (``MEGAZERO_DISABLE_OPS=aio``),
@@ -154,6 +155,7 @@ class AsyncIO:
         self._lock = threading.Lock()
         self._inflight: dict[int, tuple] = {}
         self._closed = False
+        self._fake_seq, self._fake_bytes = 0, {"read": 0, "written": 0}
         ext = extension() if backend != "python" else None
         if ext is not None:
             self._impl = ext.Engine(num_threads, block_size, self.direct)
@@ -180,8 +182,10 @@ class AsyncIO:
 
     def counters(self) -> dict:
         """bytes_read, bytes_written, direct_bytes (moved with O_DIRECT), buffered_bytes,
-        requests."""
-        return self._impl.counters()
+        requests; fake_bytes_read/written: what requests of fake tensors (the dry run)
+        would have moved."""
+        return {**self._impl.counters(), "fake_bytes_read": self._fake_bytes["read"],
+                "fake_bytes_written": self._fake_bytes["written"]}
 
     @property
     def direct_refused(self) -> dict[str, str]:
@@ -198,13 +202,19 @@ class AsyncIO:
         if self._closed:
             raise RuntimeError("AsyncIO: submit after close()")
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" \
-                or not tensor.is_contiguous() or not holds_data(tensor):
+                or not tensor.is_contiguous():
             raise ValueError("AsyncIO: the tensor must be a contiguous CPU tensor holding data")
         offset = operator.index(offset)
         if offset < 0:
             raise ValueError(f"AsyncIO: negative file offset {offset}")
         path = os.fspath(path)
         nbytes = tensor.numel() * tensor.element_size()
+        if not holds_data(tensor):  # the dry run's fake tensor: no bytes to move, none moved
+            with self._lock:
+                self._fake_seq -= 1  # negative handles: complete at once, never in the engine
+                self._fake_bytes["written" if write else "read"] += nbytes
+                self._inflight[self._fake_seq] = (tensor, "fake", path, offset, nbytes)
+                return self._fake_seq
         handle = self._impl.submit(write, tensor.data_ptr(), nbytes, path, offset)
         with self._lock:
             self._inflight[handle] = (tensor, "write" if write else "read", path, offset, nbytes)
@@ -227,7 +237,7 @@ class AsyncIO:
             record = self._inflight.get(handle)
         if record is None:
             raise ValueError(f"AsyncIO.wait: unknown or already waited handle {handle}")
-        failure = self._impl.wait(handle)
+        failure = self._impl.wait(handle) if handle >= 0 else None
         with self._lock:
             self._inflight.pop(handle, None)
         if failure is not None:
@@ -236,7 +246,7 @@ class AsyncIO:
     def wait_all(self) -> None:
         """Block until every request is complete; OSError for the first (lowest handle) that
         failed, counting the others."""
-        failed = self._impl.wait_all()
+        failed = [f for f in self._impl.wait_all() if f[0] >= 0]
         with self._lock:
             records, self._inflight = self._inflight, {}
         if failed:

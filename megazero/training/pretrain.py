@@ -160,8 +160,13 @@ def _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_f
                                 seed=config.train.seed, unit_policy=zero3_unit_policy)
     if ps.rank == 0 and getattr(optimizer, "rule", None) is not None:
         o = config.optimizer
+        where = f", fp32 states in files under {o.nvme_path}" \
+            if o.offload_optimizer == "nvme" else ", fp32 states in host memory" \
+            if o.cpu_offload else ""
+        if o.offload_param == "nvme":
+            where += f", parameters in files under {o.nvme_path}"
         logger.info("Using %s optimizer; ZeRO stage %d%s", optimizer.describe(),
-                    o.zero_stage, ", fp32 states in host memory" if o.cpu_offload else "")
+                    o.zero_stage, where)
     trainer = Trainer(config, ps, tracker, model, optimizer, lr_scheduler, forward_step_func)
     trainer.resident_before_model = resident_before_model
     if config.train.load:
