@@ -1,17 +1,27 @@
-"""Optimizer states on NVMe against host memory: step time, peak RSS, and a memory budget.
+"""Optimizer states and parameters on NVMe against host memory: step time, RSS, a budget.
 
-One process trains megazero's GPT-2 (``pretrain_gpt2.py``, mock data, ZeRO stage 1 at dp 1)
-twice, in fresh subprocesses: with ``--cpu-offload`` (fp32 main values and Adam moments in
-host memory) and with ``--offload-optimizer nvme --nvme-path DIR`` (the same in swap files,
-streamed through two sub-group slots by ``megazero.ops.aio``). Each run reports the median
-"elapsed time per iteration" after its first two iterations, its peak RSS (``ru_maxrss``) and
-its peak virtual size (``VmPeak``), read by a small wrapper at exit, and the losses (which must
-be identical: the NVMe step is the CPU-offloaded step).
+One process trains megazero's GPT-2 (``pretrain_gpt2.py``, mock data, dp 1) in fresh
+subprocesses, in two pairs:
 
-The RSS saved should be the optimizer-state bytes (3 x 4 bytes per parameter) less the slots.
-Then both run again under an address-space limit (``RLIMIT_AS``) halfway between the two
-runs' ``VmPeak``: the NVMe run must train, the host-memory run must fail, and the table shows
-its error.
+* ZeRO-1 with ``--cpu-offload`` (fp32 main values and Adam moments in host memory) against
+  ``--offload-optimizer nvme --nvme-path DIR`` (the same in swap files, streamed through two
+  sub-group slots by ``megazero.ops.aio``);
+* ZeRO-3 with ``--cpu-offload`` against ``--offload-optimizer nvme --offload-param nvme``
+  (ZeRO-Infinity: the parameter partition in a swap file too, read unit by unit when
+  gathered).
+
+Each run reports the median "elapsed time per iteration" after its first two iterations, the
+losses (identical within a pair: the NVMe step is the CPU-offloaded step), and, read by a
+small wrapper: its peak RSS (``ru_maxrss``), its peak virtual size (``VmPeak``), and its
+steady RSS: the anonymous resident bytes (``RssAnon``, after ``malloc_trim``) at the end of
+each iteration from the third on, the largest. The steady RSS is what the process holds
+between steps; the peak adds the transient of whichever phase is largest (with the states
+gone, the backward's activations and gradient temporaries).
+
+The RSS saved should be the optimizer-state bytes (3 x 4 bytes per parameter; at ZeRO-3 also
+the parameters) less the slots. Then the ZeRO-1 pair runs again under an address-space limit
+(``RLIMIT_AS``) halfway between the two runs' ``VmPeak``: the NVMe run must train, the
+host-memory run must fail, and the table shows its error.
 
     python benchmarks/bench_nvme.py [--dir DIR] [--layers 8 --hidden 1024 --iters 6]
 """
@@ -39,7 +49,19 @@ def report():
     vm = [line for line in open("/proc/self/status") if line.startswith("VmPeak")][0]
     print(f"BENCH peak_rss {peak} vmpeak {int(vm.split()[1]) * 1024}", flush=True)
 
+def report_steady():
+    if steady:
+        print(f"BENCH steady_rss {max(steady[2:] or steady)}", flush=True)
+
+steady = []
+from megazero.training import log, monitor
+end = monitor.Monitor.iteration_end
+def iteration_end(self, iteration):
+    end(self, iteration)
+    steady.append(log.resident_bytes(trim=True, anonymous=True))
+monitor.Monitor.iteration_end = iteration_end
 atexit.register(report)
+atexit.register(report_steady)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -53,12 +75,14 @@ def run(flags, env_extra, timeout=1800):
     times = [float(m) for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", out)]
     losses = re.findall(r" lm loss: ([0-9.E+-]+) \|", out)
     m = re.search(r"BENCH peak_rss (\d+) vmpeak (\d+)", out)
+    st = re.search(r"BENCH steady_rss (\d+)", out)
     error = None
     if proc.returncode != 0:
         lines = [ln for ln in out.splitlines() if "Error" in ln or "can't allocate" in ln]
         error = (lines[-1] if lines else out.strip().splitlines()[-1])[:150]
     return {"rc": proc.returncode, "times": times, "losses": losses,
             "rss": int(m.group(1)) if m else None, "vm": int(m.group(2)) if m else None,
+            "steady": int(st.group(1)) if st else None,
             "error": error, "tail": out[-2000:]}
 
 
@@ -70,6 +94,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--sub-group", type=int, default=1 << 22,
+                    help="--nvme-sub-group-size (elements per streamed sub-group)")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     base = ["--mock-data", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
@@ -77,42 +103,57 @@ def main():
             "--max-position-embeddings", "128", "--vocab-size", str(args.vocab),
             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters",
             str(args.iters), "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-4",
-            "--lr-warmup-iters", "1", "--zero-stage", "1", "--seed", "7"]
+            "--lr-warmup-iters", "1", "--seed", "7"]
     with tempfile.TemporaryDirectory(dir=args.dir) as nvme_dir:
-        modes = {"cpu-offload": base + ["--cpu-offload"],
-                 "nvme": base + ["--offload-optimizer", "nvme", "--nvme-path", nvme_dir]}
-        results = {name: run(flags, {}) for name, flags in modes.items()}
-        for name, r in results.items():
+        nvme = ["--nvme-path", nvme_dir, "--nvme-sub-group-size", str(args.sub_group)]
+        modes = {
+            "ZeRO-1 cpu-offload": base + ["--zero-stage", "1", "--cpu-offload"],
+            "ZeRO-1 nvme (states)": base + ["--zero-stage", "1", "--offload-optimizer",
+                                            "nvme", *nvme],
+            "ZeRO-3 cpu-offload": base + ["--zero-stage", "3", "--cpu-offload"],
+            "ZeRO-3 nvme (states + params)": base + [
+                "--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param", "nvme",
+                *nvme]}
+        results = {}
+        for name, flags in modes.items():
+            results[name] = r = run(flags, {})
             if r["rc"] != 0:
                 print(f"{name} failed:\n{r['tail']}")
                 return 1
-        cpu, nvme = results["cpu-offload"], results["nvme"]
-        limit = (cpu["vm"] + nvme["vm"]) // 2
-        budget = {name: run(flags, {"BENCH_AS_LIMIT": str(limit)})
-                  for name, flags in modes.items()}
+        names = list(modes)
+        cpu, nv = results[names[0]], results[names[1]]
+        limit = (cpu["vm"] + nv["vm"]) // 2
+        budget = {name: run(modes[name], {"BENCH_AS_LIMIT": str(limit)}) for name in names[:2]}
     n_params = 12 * args.layers * args.hidden ** 2 + (args.vocab + 128) * args.hidden
     states = 12 * n_params  # fp32 main + exp_avg + exp_avg_sq
+    slots = 2 * 3 * 4 * args.sub_group
     mb = 1 / 2 ** 20
     print(f"GPT-2 {args.layers} layers x {args.hidden}, vocab {args.vocab}: about "
           f"{n_params / 1e6:.0f}M parameters, {states * mb:.0f} MiB of fp32 main values and "
-          f"moments; {args.iters} iterations, ZeRO-1 at dp 1, OMP_NUM_THREADS=2; NVMe dir "
-          f"{args.dir}")
-    print("| run | step ms (median, iters 3+) | ratio | peak RSS MiB | VmPeak MiB | "
-          f"under RLIMIT_AS {limit * mb:.0f} MiB |")
-    print("|---|---:|---:|---:|---:|---|")
-    ref = statistics.median(cpu["times"][2:])
-    for name in modes:
-        r, b = results[name], budget[name]
-        t = statistics.median(r["times"][2:])
-        under = f"trains ({len(b['losses'])} iterations)" if b["rc"] == 0 else \
-            f"fails: {b['error']}"
-        print(f"| {name} | {t:.0f} | {t / ref:.2f}x | {r['rss'] * mb:.0f} | "
-              f"{r['vm'] * mb:.0f} | {under} |")
-    saved = cpu["rss"] - nvme["rss"]
-    print(f"RSS saved by NVMe: {saved * mb:.0f} MiB (optimizer states {states * mb:.0f} MiB "
-          f"less the two sub-group slots)")
-    same = cpu["losses"] == nvme["losses"]
-    print(f"losses identical (NVMe vs host memory): {same} ({nvme['losses'][-1]} at the end)")
+          f"moments; {args.iters} iterations at dp 1, OMP_NUM_THREADS=2; sub-groups of "
+          f"{args.sub_group} elements (slots {slots * mb:.0f} MiB); NVMe dir {args.dir}")
+    print("| run | step ms (median, iters 3+) | ratio | steady RSS MiB | peak RSS MiB | "
+          f"VmPeak MiB | under RLIMIT_AS {limit * mb:.0f} MiB |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    same = True
+    for pair in (names[:2], names[2:]):
+        ref = statistics.median(results[pair[0]]["times"][2:])
+        for name in pair:
+            r = results[name]
+            t = statistics.median(r["times"][2:])
+            b = budget.get(name)
+            under = "" if b is None else f"trains ({len(b['losses'])} iterations)" \
+                if b["rc"] == 0 else f"fails: {b['error']}"
+            print(f"| {name} | {t:.0f} | {t / ref:.2f}x | {r['steady'] * mb:.0f} | "
+                  f"{r['rss'] * mb:.0f} | {r['vm'] * mb:.0f} | {under} |")
+        same &= results[pair[0]]["losses"] == results[pair[1]]["losses"]
+    for pair, target in ((names[:2], states - slots),
+                         (names[2:], states + 4 * n_params - slots)):
+        a, b = results[pair[0]], results[pair[1]]
+        print(f"{pair[1]}: steady RSS falls by {(a['steady'] - b['steady']) * mb:.0f} MiB, "
+              f"peak RSS by {(a['rss'] - b['rss']) * mb:.0f} MiB (target: the bytes moved to "
+              f"files less the slots, {target * mb:.0f} MiB)")
+    print(f"losses identical within each pair (NVMe vs host memory): {same}")
     return 0 if same else 1
 
 
