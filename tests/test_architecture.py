@@ -128,6 +128,15 @@ def test_import_rules(graph):
     assert not broken, "imports against docs/ARCHITECTURE.md:\n" + "\n".join(broken)
 
 
+def test_nothing_imports_the_planner(graph):
+    """``megazero.plan`` is a tool over the whole package: nothing in megazero imports it."""
+    _, edges = graph
+    broken = [f"{mod}:{line} imports {target}" for mod, targets in edges.items()
+              if not _under(mod, "megazero.plan")
+              for target, line, _ in targets if _under(target, "megazero.plan")]
+    assert not broken, "\n".join(broken)
+
+
 def test_no_import_cycles(graph):
     modules, edges = graph
     adj = {m: {t for t, _, _ in targets if t in modules and t != m

@@ -1,0 +1,186 @@
+"""Measure this machine and write its SYSTEM.json (``python -m megazero.plan.calibrate``).
+
+Micro-benchmarks, each rank's view (one thread per rank, as ``torchrun`` starts them):
+matrix products at several sizes (peak FLOP/s per dtype and the GEMM size efficiency:
+``gemm_max``, ``gemm_half_dim`` fitted to ``1 / (1 + k/M + k/K + k/N)``), a large copy
+(memory bandwidth), a gloo all-reduce between two local processes at two sizes (bandwidth
+and latency of the loopback "link"), and the fixed cost of one training step and of one
+micro-batch (``step_overhead``, ``microbatch_overhead``: a one-layer model trained with one
+and with four micro-batches). The machine is one "node" whose ranks share its cores
+(``ranks_share_cores``). ``--activations`` also refits ``activations.json`` from dry runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megazero.plan.activations import calibrate
+from megazero.plan.system import SYSTEMS_DIR
+
+logger = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def _best(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def gemm_rates(dtype: torch.dtype, sizes=(32, 64, 128, 256, 512)) -> list[tuple]:
+    """(M, K, N, FLOP/s) of square products on one thread."""
+    out = []
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        reps = max(1, int(2e8 / (2 * n ** 3)))
+
+        def run(a=a, b=b, reps=reps):
+            for _ in range(reps):
+                torch.mm(a, b)
+        out.append((n, n, n, reps * 2 * n ** 3 / _best(run)))
+    return out
+
+
+def fit_gemm(rates: list[tuple]) -> tuple[float, float, float]:
+    """(peak, gemm_max = 1, half_dim) with rate = peak / (1 + k/M + k/K + k/N)."""
+    best = None
+    for k in np.linspace(0, 256, 257):
+        x = np.array([1 / (1 + k / m + k / kk + k / n) for m, kk, n, _ in rates])
+        y = np.array([r for *_, r in rates])
+        peak = float((x @ y) / (x @ x))
+        err = float(np.sum(((peak * x - y) / y) ** 2))
+        if best is None or err < best[0]:
+            best = (err, peak, float(k))
+    return best[1], 1.0, best[2]
+
+
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best(lambda: dst.copy_(src))
+
+
+_ALLREDUCE = """
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1],
+                        rank=int(sys.argv[2]), world_size=2)
+out = []
+for n in (256, 4 << 20):
+    t = torch.ones(n // 4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    best = 1e9
+    for _ in range(10):
+        dist.barrier(); s = time.perf_counter(); dist.all_reduce(t)
+        best = min(best, time.perf_counter() - s)
+    out.append(best)
+if int(sys.argv[2]) == 0:
+    print("ALLREDUCE", *out)
+dist.destroy_process_group()
+"""
+
+
+def gloo_link() -> tuple[float, float]:
+    """(bandwidth, latency) of a two-rank gloo all-reduce on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _ALLREDUCE, str(port), str(r)],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    out = procs[0].communicate(timeout=120)[0]
+    procs[1].wait(timeout=120)
+    small, large = (float(x) for x in out.split("ALLREDUCE")[1].split())
+    latency = small / 2  # 2 (n-1) steps for n = 2
+    bandwidth = (4 << 20) / max(large - small, 1e-9)  # ring: 2 (n-1)/n bytes = bytes
+    return bandwidth, latency
+
+
+def step_overheads(iters: int = 8) -> tuple[float, float]:
+    """(seconds per step, per micro-batch) beyond the modelled compute: a one-layer,
+    hidden-64 model trained with one and with four micro-batches."""
+    times = {}
+    for m in (1, 4):
+        cmd = [sys.executable, "pretrain_gpt2.py", "--num-layers", "1", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--seq-length", "32",
+               "--max-position-embeddings", "32", "--micro-batch-size", "1",
+               "--global-batch-size", str(m), "--train-iters", str(iters), "--log-interval",
+               "1", "--mock-data", "--vocab-size", "256", "--eval-iters", "0"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)",
+                                            done.stdout + done.stderr)]
+        if len(ms) < 3:
+            raise RuntimeError(f"overhead run failed: {done.stderr[-2000:]}")
+        times[m] = statistics.median(ms[2:]) / 1e3
+    per_mb = max(0.0, (times[4] - times[1]) / 3)
+    return max(0.0, times[1] - per_mb), per_mb
+
+
+def measure(name: str = "cpu-local") -> dict:
+    torch.set_num_threads(1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count()
+    flops, fits = {}, {}
+    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        rates = gemm_rates(dtype)
+        peak, gmax, half = fit_gemm(rates)
+        flops[label], fits[label] = peak, half
+    hbm = copy_bandwidth()
+    bw, lat = gloo_link()
+    step, per_mb = step_overheads()
+    link = {"bandwidth": bw, "latency": lat}
+    return {"name": name, "gpus_per_node": 64, "memory_bytes": float(
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "flops": flops, "hbm_bandwidth": hbm, "intra_node": link, "inter_node": link,
+        "efficiency": {"gemm_max": 1.0, "gemm_half_dim": fits["fp32"], "hbm": 1.0,
+                       "network": 1.0},
+        "cores": cores, "ranks_share_cores": True, "step_overhead": step,
+        "microbatch_overhead": per_mb,
+        "_sources": {"measured": f"python -m megazero.plan.calibrate on {socket.gethostname()}"
+                                 f" at {time.strftime('%Y-%m-%d %H:%M')}",
+                     "flops": "one-thread torch.mm, square sizes 32-512, peak and "
+                              "gemm_half_dim fitted (bf16's half dim: "
+                              f"{fits['bf16']:.0f})",
+                     "hbm_bandwidth": "256 MiB float32 copy, read + write",
+                     "links": "two-process gloo all-reduce on loopback, 256 B and 4 MiB",
+                     "overheads": "one-layer model, 1 and 4 micro-batches per step"}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megazero.plan.calibrate",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(SYSTEMS_DIR / "cpu-local.json"))
+    p.add_argument("--name", default="cpu-local")
+    p.add_argument("--activations", action="store_true",
+                   help="also refit activations.json from dry runs (a few minutes)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    data = measure(args.name)
+    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    if args.activations:
+        calibrate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

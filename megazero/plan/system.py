@@ -1,0 +1,150 @@
+"""What the planner knows of a machine: a ``System`` read from SYSTEM.json.
+
+A system is one kind of accelerator in nodes of ``gpus_per_node``: peak FLOP/s per dtype,
+memory, HBM bandwidth, the links inside a node (NVLink) and between nodes (InfiniBand, per
+GPU), and the efficiencies at which the runtime reaches them (calibrated, see
+``cost.py``). ``load_system("a100-80g")`` reads a file shipped in ``systems/``; a path reads
+any file of the same fields. Sources of every number are in the file's ``_sources``.
+
+Fields (SI units: bytes, seconds, FLOP/s, bytes/s):
+
+``name``, ``gpus_per_node``, ``memory_bytes`` (per GPU), ``flops`` ({dtype: FLOP/s}),
+``hbm_bandwidth``, ``intra_node`` / ``inter_node`` ({"bandwidth": per GPU and direction,
+"latency": per message}), ``efficiency`` ({"gemm_max", "gemm_half_dim", "hbm", "network"}),
+optionally ``cores`` and ``ranks_share_cores`` (a CPU machine whose ranks share ``cores``:
+each rank gets ``cores / world`` of the compute when the world is larger) and
+``step_overhead`` (seconds of fixed host work per step and per micro-batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SYSTEMS_DIR = Path(__file__).resolve().parent / "systems"
+
+
+class PlanInputError(ValueError):
+    """A planner input (model, system, flag) that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s per GPU and direction
+    latency: float  # seconds per message
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the nominal figures the runtime reaches (calibrated)."""
+
+    gemm_max: float = 0.8  # of peak FLOP/s for a large GEMM
+    gemm_half_dim: float = 64.0  # a GEMM dimension of this size halves the efficiency term
+    hbm: float = 0.7  # of HBM bandwidth for element-wise (memory-bound) kernels
+    network: float = 0.75  # of link bandwidth for collectives (NCCL bus bandwidth)
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    gpus_per_node: int
+    memory_bytes: float
+    flops: dict  # dtype name -> FLOP/s
+    hbm_bandwidth: float
+    intra_node: Link
+    inter_node: Link
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    cores: int | None = None  # CPU systems: cores the ranks share
+    ranks_share_cores: bool = False
+    step_overhead: float = 0.0  # s per step (host work, logging)
+    microbatch_overhead: float = 0.0  # s per micro-batch and stage (launch, Python)
+    sources: dict = field(default_factory=dict)
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise PlanInputError(f"system {self.name!r} has no FLOP/s for dtype {dtype!r} "
+                                 f"(it lists {sorted(self.flops)})")
+        return float(self.flops[dtype])
+
+    def compute_share(self, world: int, threads_per_rank: int = 1) -> float:
+        """Fraction of one rank's nominal compute it gets: 1 on a GPU; on a CPU machine whose
+        ``world`` ranks share ``cores``, cores / (world x threads) when that is below 1."""
+        if not self.ranks_share_cores or not self.cores:
+            return 1.0
+        return min(1.0, self.cores / (world * threads_per_rank))
+
+    def group_link(self, stride: int, size: int) -> Link:
+        """The link of a group of ``size`` ranks ``stride`` apart in global rank order: NVLink
+        when it fits in a node; across nodes, each node's ``k`` members send over their own
+        NICs at once (NCCL's rings run one channel per NIC), so the group's bandwidth per
+        rank is ``min(NVLink, k x NIC)``."""
+        if stride * size <= self.gpus_per_node:
+            return self.intra_node
+        k = max(1, min(size, self.gpus_per_node // max(stride, 1)))
+        return Link(min(self.intra_node.bandwidth, k * self.inter_node.bandwidth),
+                    self.inter_node.latency)
+
+    def to_dict(self) -> dict:
+        e = self.efficiency
+        return {"name": self.name, "gpus_per_node": self.gpus_per_node,
+                "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
+                "hbm_bandwidth": self.hbm_bandwidth,
+                "intra_node": vars(self.intra_node).copy(),
+                "inter_node": vars(self.inter_node).copy(),
+                "efficiency": {"gemm_max": e.gemm_max, "gemm_half_dim": e.gemm_half_dim,
+                               "hbm": e.hbm, "network": e.network},
+                "cores": self.cores, "ranks_share_cores": self.ranks_share_cores,
+                "step_overhead": self.step_overhead,
+                "microbatch_overhead": self.microbatch_overhead,
+                "_sources": dict(self.sources)}
+
+
+def system_from_dict(d: dict, where: str = "SYSTEM.json") -> System:
+    """A ``System`` from its JSON fields; a missing or malformed field is named."""
+    try:
+        eff = Efficiency(**d.get("efficiency", {}))
+        system = System(
+            name=str(d["name"]), gpus_per_node=int(d["gpus_per_node"]),
+            memory_bytes=float(d["memory_bytes"]),
+            flops={k: float(v) for k, v in d["flops"].items()},
+            hbm_bandwidth=float(d["hbm_bandwidth"]),
+            intra_node=Link(float(d["intra_node"]["bandwidth"]),
+                            float(d["intra_node"]["latency"])),
+            inter_node=Link(float(d["inter_node"]["bandwidth"]),
+                            float(d["inter_node"]["latency"])),
+            efficiency=eff, cores=d.get("cores"),
+            ranks_share_cores=bool(d.get("ranks_share_cores", False)),
+            step_overhead=float(d.get("step_overhead", 0.0)),
+            microbatch_overhead=float(d.get("microbatch_overhead", 0.0)),
+            sources=dict(d.get("_sources", {})))
+    except KeyError as exc:
+        raise PlanInputError(f"{where}: missing field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise PlanInputError(f"{where}: malformed field ({exc})") from None
+    if system.gpus_per_node < 1 or system.memory_bytes <= 0:
+        raise PlanInputError(f"{where}: gpus_per_node and memory_bytes must be positive")
+    return system
+
+
+def builtin_systems() -> list[str]:
+    """Names of the systems shipped in ``systems/``."""
+    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.json"))
+
+
+def load_system(name_or_path: str) -> System:
+    """A shipped system by name (``a100-80g``, ``h100-80g``) or a SYSTEM.json path."""
+    path = Path(name_or_path)
+    if not (name_or_path.endswith(".json") or os.sep in name_or_path):
+        path = SYSTEMS_DIR / f"{name_or_path}.json"
+        if not path.exists():
+            raise PlanInputError(f"--gpu: unknown system {name_or_path!r}; shipped: "
+                                 f"{', '.join(builtin_systems())}, or give a SYSTEM.json path")
+    if not path.exists():
+        raise PlanInputError(f"--gpu: no such file {str(path)!r}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PlanInputError(f"--gpu: {path} is not valid JSON ({exc})") from None
+    return system_from_dict(data, str(path))
