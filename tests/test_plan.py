@@ -129,3 +129,8 @@ def test_parse_fix_and_models():
         parse_fix(["recompute=some"])
     m = resolve_model("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --bf16")
     assert (m.num_layers, m.hidden_size, m.params_dtype) == (2, 64, "bfloat16")
+    # as the command line passes it: --model "<flags>" is one word in a list
+    one = resolve_model(["--num-layers 2 --hidden-size 64 --num-attention-heads 4 --bf16"])
+    assert one == m
+    assert resolve_model(["--num-layers", "2", "--hidden-size", "64",
+                          "--num-attention-heads", "4", "--bf16"]) == m
