@@ -1,10 +1,12 @@
-"""--offload-optimizer nvme: ZeRO stages 1-2 with the fp32 main values and Adam moments in swap
-files, streamed in sub-groups: bit for bit the --cpu-offload run, checkpoints that load with and
-without NVMe at any layout, scratch files removed, and the refusals."""
+"""ZeRO-Infinity: --offload-optimizer nvme (ZeRO 1-3: fp32 main values and Adam moments in swap
+files, streamed in sub-groups) and --offload-param nvme (ZeRO-3's parameter partition in a swap
+file): bit for bit the --cpu-offload run, checkpoints that load with and without NVMe at any
+layout, a kill -9 mid-step, the dry run, scratch files removed, and the refusals."""
 
 import os
 
 import pytest
+import torch
 
 from megazero.config import ConfigError, OptimizerConfig
 from tests.test_dryrun import dry_run_cli
@@ -144,3 +146,22 @@ def test_kill_9_during_an_nvme_step_leaves_the_last_checkpoint_loadable(tmp_path
     assert not os.listdir(swap)  # the dead run's swap directory was removed at the start
     in_memory = run_training(base + f" --load {save}", 1)
     assert in_memory[0] == full[0][4:]
+
+
+def test_zero_infinity_checkpoints_move_to_memory_and_back_at_other_layouts(tmp_path):
+    nvme = (f" --offload-optimizer nvme --offload-param nvme --nvme-path {tmp_path} "
+            "--nvme-sub-group-size 5000")
+    base = TINY + " --train-iters 6"
+    full = run_training(base + " --zero-stage 3 --cpu-offload", 2)
+    # ZeRO-3 with states and parameters on NVMe at dp 2 -> ZeRO-1 in memory at dp 1
+    run_training(base + " --zero-stage 3" + nvme + f" --exit-interval 3 --save {tmp_path / 'a'}"
+                 " --save-interval 3", 2)
+    resumed = run_training(base + f" --zero-stage 1 --load {tmp_path / 'a'}", 1)
+    torch.testing.assert_close(torch.tensor(resumed[0]), torch.tensor(full[0][3:]),
+                               rtol=1e-5, atol=0)
+    # a ZeRO-2 checkpoint in memory at dp 2 -> ZeRO-Infinity at dp 1
+    run_training(base + f" --zero-stage 2 --exit-interval 3 --save {tmp_path / 'b'} "
+                 "--save-interval 3", 2)
+    infinity = run_training(base + " --zero-stage 3" + nvme + f" --load {tmp_path / 'b'}", 1)
+    memory = run_training(base + f" --zero-stage 3 --cpu-offload --load {tmp_path / 'b'}", 1)
+    assert_same_run(infinity, memory, rtol=0, what="ZeRO-Infinity vs ZeRO-3 from a ZeRO-2 ckpt")
