@@ -165,3 +165,45 @@ def test_zero_infinity_checkpoints_move_to_memory_and_back_at_other_layouts(tmp_
     infinity = run_training(base + " --zero-stage 3" + nvme + f" --load {tmp_path / 'b'}", 1)
     memory = run_training(base + f" --zero-stage 3 --cpu-offload --load {tmp_path / 'b'}", 1)
     assert_same_run(infinity, memory, rtol=0, what="ZeRO-Infinity vs ZeRO-3 from a ZeRO-2 ckpt")
+
+
+def _modify_worker(argv):
+    import torch.distributed as dist
+
+    import pretrain_gpt2
+    from megazero.arguments import parse_args
+    from megazero.data_parallel.zero3 import GatheredParameters
+    from megazero.tensor_parallel.meta import meta_of
+    from megazero.training import pretrain
+
+    config = parse_args(argv, world_size=dist.get_world_size())
+    result = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
+                      pretrain_gpt2.model_provider, pretrain_gpt2.forward_step, config,
+                      zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
+    opt, model = result.optimizer, result.model[0]
+    name, param = [(n, p) for n, p in model.named_parameters()
+                   if len(meta_of(p).local_shape) == 2][1]  # a layer's weight
+    with GatheredParameters([param], modifier_rank=0):
+        if result.parallel_state.dp_rank == 0:
+            param.data.fill_(0.5)
+    with GatheredParameters([param]):
+        seen = param.detach().clone()
+    key = next(n for n, pr in opt.layout.ranges.items() if pr.param is param)
+    mains = [f["main"] for f in opt.sharded_state_dict()["fragments"].get(key, [])]
+    return name, seen, mains
+
+
+@pytest.mark.parametrize("offload", ["--cpu-offload", "--offload-optimizer nvme "
+                                     "--offload-param nvme"])
+def test_gathered_parameters_modified_on_one_rank_reach_every_rank_and_the_optimizer(
+        tmp_path, offload):
+    from tests.dist_helper import run_distributed
+
+    argv = TINY + " --train-iters 3 --zero-stage 3 " + offload + f" --nvme-path {tmp_path}" \
+        if "nvme" in offload else TINY + " --train-iters 3 --zero-stage 3 " + offload
+    results = run_distributed(_modify_worker, 2, argv.split())
+    for name, seen, _ in results:
+        assert torch.all(seen == 0.5), name  # every dp rank, gathered again
+    mains = [m for _, _, ms in results for m in ms]  # the owners' fp32 main values too
+    assert sum(m.numel() for m in mains) == seen.numel()
+    assert all(torch.all(m == 0.5) for m in mains)
