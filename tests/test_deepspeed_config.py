@@ -48,6 +48,16 @@ ZEROONE = {"train_batch_size": 8, "optimizer": {"type": "ZeroOneAdam", "params":
     "lr": 1e-4, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 1000,
     "var_update_scaler": 16, "local_step_scaler": 1000, "local_step_clipper": 16,
     "cuda_aware": False, "comm_backend_name": "nccl"}}}
+# the ZeRO-Infinity tutorial's (NVME: a directory of the test's)
+INFINITY = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 5e-4}},
+            "zero_optimization": {
+                "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "NVME",
+                                                  "pin_memory": True, "buffer_count": 4,
+                                                  "fast_init": False},
+                "offload_param": {"device": "nvme", "nvme_path": "NVME", "pin_memory": True,
+                                  "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9}},
+            "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                    "single_submit": False, "overlap_events": True}}
 # 1-bit LAMB's (refused: megazero has none)
 ONEBITLAMB = {"train_batch_size": 8, "optimizer": {"type": "OneBitLamb", "params": {
     "lr": 1e-4, "freeze_step": 100}}}
@@ -408,13 +418,15 @@ def _tutorial_engine_worker(cfg):
     return losses, engine.global_steps, engine.config.optimizer.zero_stage
 
 
-@pytest.mark.parametrize("name", ["ZERO2", "OFFLOAD", "ZERO3", "ONEBIT", "ZEROONE"])
+@pytest.mark.parametrize("name", ["ZERO2", "OFFLOAD", "ZERO3", "ONEBIT", "ZEROONE",
+                                  "INFINITY"])
 def test_tutorial_configs_run_through_both_entry_points(tmp_path, name):
-    """The ZeRO, ZeRO-Offload, ZeRO-3, 1-bit Adam and 0/1 Adam tutorial configs, unchanged:
-    two optimizer steps through megazero.initialize on two ranks, and three iterations of
-    pretrain_gpt2's loop."""
+    """The ZeRO, ZeRO-Offload, ZeRO-3, 1-bit Adam, 0/1 Adam and ZeRO-Infinity tutorial
+    configs, unchanged: two optimizer steps through megazero.initialize on two ranks, and
+    three iterations of pretrain_gpt2's loop."""
     cfg = {"ZERO2": ZERO2, "OFFLOAD": OFFLOAD, "ZERO3": ZERO3, "ONEBIT": ONEBIT,
-           "ZEROONE": ZEROONE}[name]
+           "ZEROONE": ZEROONE, "INFINITY": INFINITY}[name]
+    cfg = json.loads(json.dumps(cfg).replace('"NVME"', json.dumps(str(tmp_path))))
     for losses, steps, stage in run_distributed(_tutorial_engine_worker, 2, cfg):
         assert steps == 2 and stage == cfg.get("zero_optimization", {}).get("stage", 0)
         assert all(math.isfinite(v) for v in losses)

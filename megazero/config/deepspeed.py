@@ -39,7 +39,11 @@ def _choice(*values):
     return ("choice", values)
 
 
-_OFFLOAD = {"device": _choice("none", "cpu", "nvme"), "pin_memory": _BOOL, "nvme_path": _STR}
+# offload_optimizer: buffer_count, fast_init and pipeline_read/write tune DeepSpeed's swapper;
+# megazero always streams through two slots, reading ahead and writing behind
+_OFFLOAD = {"device": _choice("none", "cpu", "nvme"), "pin_memory": _BOOL, "nvme_path": _STR,
+            "buffer_count": _int(1), "fast_init": _BOOL, "pipeline_read": _BOOL,
+            "pipeline_write": _BOOL}
 SCHEMA = {
     "train_batch_size": _int(1), "train_micro_batch_size_per_gpu": _int(1),
     "gradient_accumulation_steps": _int(1), "gradient_clipping": _float(0.0),
