@@ -26,9 +26,12 @@ DeepSpeed's defaults where it is silent (no clipping, no weight decay, lr 1e-3, 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import sys
+import weakref
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -39,6 +42,7 @@ from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, Tra
 from megazero.config.deepspeed import DeepSpeedConfigError, parse_ds_config
 from megazero.data_parallel import build_optimizer
 from megazero.distributed import comm
+from megazero.distributed.init import destroy_distributed
 from megazero.distributed.init import init_distributed as _init_distributed
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
@@ -88,6 +92,11 @@ class Engine:
         self.optimizer = build_optimizer(self.chunks, optimizer_config, self.ps,
                                          lr_scheduler=lr_scheduler, seed=seed,
                                          unit_policy=policy)
+        # A user's script ends with the engine alive and the last step's parameter
+        # all-gather still in flight (it completes in the next forward): finish it and
+        # destroy the groups at exit, while the interpreter is whole; a gloo thread that
+        # drops the work's tensors during teardown aborts the process.
+        atexit.register(_finish_at_exit, weakref.ref(self))
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
@@ -317,6 +326,16 @@ def from_ds_config(model: torch.nn.Module, ds_config, ps: ParallelState | None =
     return Engine(model, optimizer_config, ps, gradient_accumulation_steps=settings.accumulation,
                   lr_scheduler=scheduler, seed=seed, micro_batch_size=settings.micro_batch,
                   steps_per_print=settings.fields.get("train.log_interval"))
+
+
+def _finish_at_exit(ref) -> None:
+    engine = ref()
+    # after an uncaught exception (sys.last_value) peers may never join a collective: no wait
+    if engine is not None and torch.distributed.is_initialized() \
+            and not hasattr(sys, "last_value"):
+        engine.optimizer.finish_param_sync()
+        engine.optimizer.reducer.wait()
+    destroy_distributed()
 
 
 def init_distributed(dist_backend: str | None = None, *, timeout=None, **_ignored_launcher):
