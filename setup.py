@@ -45,6 +45,10 @@ SIMD_LEVEL_FLAGS = {
 }
 
 
+# csrc/ folders that are no extension of their own: compiled when needed, at run time
+RUN_TIME_COMPILED = {"fake_cuda"}  # megazero.dryrun.fake_cuda, for a CPU-only torch's dry run
+
+
 def _env_flag(name, default):
     value = os.environ.get(name)
     if value is None:
@@ -70,6 +74,8 @@ def cpu_extensions():
     is_x86 = platform.machine().lower() in ("x86_64", "amd64")
     exts = []
     for folder in _kernel_folders():
+        if folder.name in RUN_TIME_COMPILED:
+            continue
         simd_sources = _relative(folder.glob("*_simd.cpp"))
         sources = [s for s in _relative(folder.glob("*.cpp")) if s not in simd_sources]
         if not sources:

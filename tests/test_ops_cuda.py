@@ -132,8 +132,10 @@ def test_fused_adam_reference_matches_torch(gen, adam_w_mode):
             p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         ref.step()
+    # 100 steps of fp32 rounding in a different operation order (H200: one element of 1023 at
+    # 2.4e-6 relative); a wrong formula is off by far more than 1e-5 within a few steps
     for p, q in zip(ours, theirs):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("lamb", [cuda_optim.multi_tensor_lamb, lamb_update_reference_])
@@ -162,9 +164,13 @@ needs_gpu_optim = pytest.mark.skipif(
     reason="needs a GPU and megazero.ops._multi_tensor_cuda")
 
 
-def _gpu_check(actual, expected, dtype, what):
+def _gpu_check(actual, expected, dtype, what, scale=1.0):
+    """Within dtype's tolerance, absolute part scaled by the larger of ``scale`` and |expected|."""
     tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
-    scale = max(1.0, expected.float().abs().max().item())
+    assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
+    if expected.numel() == 0:
+        return
+    scale = max(scale, expected.float().abs().max().item())
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol * scale,
                                msg=lambda m: f"{what}: {m}")
 
@@ -184,7 +190,11 @@ def test_cuda_layer_norm(gen, dtype, shape):
     ref = torch.nn.functional.layer_norm(xr, (h,), wr, br, 1e-5)
     rdx, rdw, rdb = torch.autograd.grad(ref, (xr, wr, br), dy.float())
     _gpu_check(y, ref, dtype, "y")
-    _gpu_check(dx, rdx, dtype, "dx")
+    # dx = rstd * (dy w - mean(dy w) - xhat mean(dy w xhat)): the terms cancel, so its rounding
+    # error is relative to |dy w| * rstd, not to |dx| (at h = 1, dx is 0 and rstd is 1/sqrt(eps))
+    rstd = torch.rsqrt(xr.detach().var(-1, unbiased=False) + 1e-5)
+    cancel = ((dy.float() * wr.detach()).abs().amax(-1) * rstd).max().item()
+    _gpu_check(dx, rdx, dtype, "dx", scale=cancel)
     _gpu_check(dw, rdw, dtype if dtype == torch.float32 else torch.bfloat16, "dw")
     _gpu_check(db, rdb, dtype if dtype == torch.float32 else torch.bfloat16, "db")
 
@@ -242,8 +252,10 @@ def test_cuda_fused_adam_matches_torch_adamw(gen):
             p.grad, q.grad = g.clone(), g
         opt.step()
         ref.step()
+    # 100 steps of fp32 rounding in a different operation order (H200: one element of 1023 at
+    # 2.4e-6 relative); a wrong formula is off by far more than 1e-5 within a few steps
     for p, q in zip(ours, theirs):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
 
 
 def test_report_lists_the_cuda_ops():

@@ -102,7 +102,7 @@ at::Tensor softmax_fwd(const at::Tensor& x, double scale) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t sq = x.size(-2), sk = x.size(-1);
   auto y = at::empty_like(x);
-  const int64_t batches = sq * sk ? x.numel() / (sq * sk) : 0;
+  const int64_t batches = sq * sk != 0 ? x.numel() / (sq * sk) : 0;
   check(megazero_cuda::causal_softmax_fwd(x.data_ptr(), y.data_ptr(), batches, sq, sk,
                                           static_cast<float>(scale), dtype_code(x),
                                           c10::cuda::getCurrentCUDAStream().stream()));
@@ -117,7 +117,7 @@ at::Tensor softmax_bwd(const at::Tensor& dy, const at::Tensor& y, double scale) 
   const int64_t sq = y.size(-2), sk = y.size(-1);
   auto dx = at::empty_like(y);
   check(megazero_cuda::causal_softmax_bwd(
-      dy.data_ptr(), y.data_ptr(), dx.data_ptr(), sq * sk ? y.numel() / (sq * sk) : 0, sq, sk,
+      dy.data_ptr(), y.data_ptr(), dx.data_ptr(), sq * sk != 0 ? y.numel() / (sq * sk) : 0, sq, sk,
       static_cast<float>(scale), dtype_code(y), c10::cuda::getCurrentCUDAStream().stream()));
   return dx;
 }
