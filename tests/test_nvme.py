@@ -56,9 +56,14 @@ def test_refusals_name_the_flags(tmp_path):
     with pytest.raises(ConfigError, match="LAMB"):
         OptimizerConfig(zero_stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path),
                         optimizer="lamb")
+    (tmp_path / "a_file").write_text("")
     with pytest.raises(Exception, match="not a writable directory"):
         run_training(TINY + " --train-iters 3 --zero-stage 2 --offload-optimizer nvme "
-                     f"--nvme-path {tmp_path / 'missing'}", 1)
+                     f"--nvme-path {tmp_path / 'a_file' / 'swap'}", 1)
+    # a missing directory is created, as DeepSpeed creates its swap folder
+    run_training(TINY + " --train-iters 3 --zero-stage 2 --offload-optimizer nvme "
+                 f"--nvme-path {tmp_path / 'new' / 'swap'}", 1)
+    assert (tmp_path / "new" / "swap").is_dir()
 
 
 @pytest.mark.parametrize("world", [2, 1])

@@ -91,8 +91,13 @@ def swap_directory(root: str, kind: str, rank: int) -> str:
     """A fresh scratch directory ``root/megazero-<kind>-<host>-<rank>-<pid>-<random>`` for
     swap files (one per optimizer or storage: a collected one removes its own only). Swap
     directories that processes of this host left when they were killed (their pid is gone)
-    are removed first: they hold nothing a checkpoint needs."""
-    if not os.path.isdir(root) or not os.access(root, os.W_OK):
+    are removed first: they hold nothing a checkpoint needs. ``root`` is created when missing
+    (as DeepSpeed creates its swap folder)."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--nvme-path {root}: not a writable directory ({exc})") from exc
+    if not os.access(root, os.W_OK):
         raise ValueError(f"--nvme-path {root}: not a writable directory")
     host = socket.gethostname().replace("-", "_")
     for name in os.listdir(root):
