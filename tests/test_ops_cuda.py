@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.ops import cuda_optim
+from megazero.ops import cuda_fused, cuda_optim
 from megazero.ops import fused_common as fc
 from megazero.ops._loader import load_extension
 from megazero.ops.cpu_adam import adam_update_reference_
 from megazero.ops.cpu_lamb import lamb_update_reference_
-from megazero.ops.fused_layer_norm import fused_layer_norm
 from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax, softmax_eager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +183,8 @@ def test_cuda_layer_norm(gen, dtype, shape):
     w = (1 + torch.randn(h, generator=gen)).cuda().requires_grad_()  # fp32 params
     b = torch.randn(h, generator=gen).cuda().requires_grad_()
     dy = torch.randn(shape, generator=gen).cuda().to(dtype)
-    y = fused_layer_norm(x, w, b, 1e-5)
+    assert cuda_fused.layer_norm_available(x, w, b)
+    y = cuda_fused.layer_norm(x, w, b, 1e-5)  # the kernel (fused_layer_norm takes ATen's)
     dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
     xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
     ref = torch.nn.functional.layer_norm(xr, (h,), wr, br, 1e-5)
@@ -256,6 +256,43 @@ def test_cuda_fused_adam_matches_torch_adamw(gen):
     # 2.4e-6 relative); a wrong formula is off by far more than 1e-5 within a few steps
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_adam_rule_takes_the_multi_tensor_path_bit_for_bit(gen, grad_dtype):
+    # megazero's default step on GPU segments (ops/foreach_adam.py) against the per-segment
+    # reference on the same GPU: fp32 sqrt is correctly rounded on CUDA, so bits agree
+    from megazero.optim.rules import AdamRule, SegmentView
+
+    sizes = [3000, 0, 5, 70000, 1]
+    wds = [0.1, 0.0, 0.0, 0.1, 0.1]
+
+    def segments():
+        g2 = torch.Generator().manual_seed(1234)
+        return [SegmentView(
+            main=torch.randn(n, generator=g2).cuda(),
+            grad=(0.1 * torch.randn(n, generator=g2)).to(grad_dtype).cuda(),
+            model_out=torch.empty(n, dtype=torch.bfloat16, device="cuda") if i % 2 else None,
+            weight_decay=wd, state={"exp_avg": torch.zeros(n, device="cuda"),
+                                    "exp_avg_sq": torch.zeros(n, device="cuda")})
+            for i, (n, wd) in enumerate(zip(sizes, wds))]
+
+    ours, ref = segments(), segments()
+    rule = AdamRule(0.9, 0.95, 1e-8)
+    for step in (1, 2, 3):
+        rule.apply(ours, step=step, lr=1e-2, grad_scale=0.5)
+        for s in ref:
+            adam_update_reference_([s.main], [s.grad], [s.state["exp_avg"]],
+                                   [s.state["exp_avg_sq"]], step=step, lr=1e-2, beta1=0.9,
+                                   beta2=0.95, eps=1e-8, weight_decay=s.weight_decay,
+                                   grad_scale=0.5, mask_nonfinite=True,
+                                   copies=None if s.model_out is None else [s.model_out])
+    for a, b in zip(ours, ref):
+        for x, y in [(a.main, b.main), (a.state["exp_avg"], b.state["exp_avg"]),
+                     (a.state["exp_avg_sq"], b.state["exp_avg_sq"]), (a.model_out, b.model_out)]:
+            assert x is None or torch.equal(x, y)
+    assert not torch.equal(ours[0].main, segments()[0].main)
 
 
 def test_report_lists_the_cuda_ops():

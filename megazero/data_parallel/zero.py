@@ -229,7 +229,7 @@ class ZeroOptimizer:
 
     def describe(self) -> str:
         """The update that runs, in words (the "Using ... optimizer" log line)."""
-        return describe_rule(self.rule)
+        return describe_rule(self.rule, torch.device("cpu") if self.offload else self.device)
 
     # ---- the step --------------------------------------------------------------------------
     @property

@@ -23,7 +23,9 @@ import torch
 
 from megazero.distributed import comm
 from megazero.distributed.device import host_values
+from megazero.ops import _cpu_ext as cx
 from megazero.ops.cpu_lamb import lamb_stage1_, lamb_stage2_, lamb_trust_ratios
+from megazero.ops.foreach_adam import adam_update_foreach_
 from megazero.ops.fused_step import (
     fused_adam_step,
     fused_adam_step_reference,
@@ -66,6 +68,16 @@ class AdamRule:
 
     def apply(self, segments: list[SegmentView], *, step: int, lr: float, grad_scale: float,
               params: ParamTable | None = None) -> None:
+        if self.step_fn is fused_adam_step and _on_gpu(segments):
+            # the compiled step takes CPU tensors; on a GPU, one multi-tensor launch per op
+            adam_update_foreach_(
+                [s.main for s in segments], [s.grad for s in segments],
+                [s.state["exp_avg"] for s in segments], [s.state["exp_avg_sq"] for s in segments],
+                step=step, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                weight_decay=[s.weight_decay for s in segments], adam_w_mode=self.adam_w_mode,
+                bias_correction=self.bias_correction, grad_scale=grad_scale,
+                copies=[s.model_out for s in segments])
+            return
         for s in segments:
             self.step_fn(s.main, s.grad, s.state["exp_avg"], s.state["exp_avg_sq"], step=step,
                          lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
@@ -74,12 +86,20 @@ class AdamRule:
                          model_param_out=s.model_out)
 
 
-def describe_rule(rule) -> str:
-    """The update that runs, in words (DeepSpeed users read "Using ... optimizer")."""
+def _on_gpu(segments: list[SegmentView]) -> bool:
+    """Whether the segments' values are on a GPU (and real: the dry run's fake tensors are not)."""
+    return bool(segments) and all(s.main.is_cuda and cx.holds_data(s.main) for s in segments)
+
+
+def describe_rule(rule, device: torch.device | None = None) -> str:
+    """The update that runs on main values on ``device``, in words (DeepSpeed users read
+    "Using ... optimizer")."""
     if isinstance(rule, AdamRule):
         kind = "AdamW" if rule.adam_w_mode else "Adam (L2 weight decay)"
         if rule.step_fn is fused_adam_step_reference:
             return f"{kind}: megazero's step, PyTorch reference (--no-fused-optimizer-step)"
+        if device is not None and device.type == "cuda":
+            return f"{kind}: megazero's step, multi-tensor (torch._foreach) on the GPU"
         status = fused_step_status()
         if status["built"]:
             return f"{kind}: megazero's fused step ({status['simd']})"
