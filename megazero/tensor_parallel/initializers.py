@@ -14,6 +14,7 @@ which slice a local tensor holds; checkpoints store it so any layout can be reas
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -131,9 +132,20 @@ def fill_flat_partition(flat: torch.Tensor, spec: InitSpec, shard: ShardInfo, ke
                         local_shape, start: int) -> torch.Tensor:
     """Fill a 1-D slice ``[start, start + flat.numel())`` of a local tensor's flat view."""
     if spec.kind == "normal" and flat.numel() > _CHUNK:
-        for off in range(0, flat.numel(), _CHUNK):
+        # chunks are independent (counter-based): drawn by torch's intra-op thread count of
+        # threads (numpy releases the GIL), the same values whatever the count
+        def fill(off: int) -> None:
             n = min(_CHUNK, flat.numel() - off)
             fill_flat_partition(flat[off:off + n], spec, shard, key, local_shape, start + off)
+
+        offsets = range(0, flat.numel(), _CHUNK)
+        threads = min(torch.get_num_threads(), len(offsets))
+        if threads <= 1:
+            for off in offsets:
+                fill(off)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="megazero-init") as pool:
+                list(pool.map(fill, offsets))
         return flat
     positions = np.arange(start, start + flat.numel(), dtype=np.int64)
     if spec.kind in ("zeros", "ones"):
