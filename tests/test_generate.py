@@ -117,7 +117,10 @@ def kv_cache_case(tp, family=None):
     assert cache.offset == 16
     want = [full[b - 1] for _, b in [(0, 5), (5, 9)] + [(n, n + 1) for n in range(9, 16)]]
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_close(g, w, rtol=1e-5, atol=1e-5, what=f"step {i}")
+        # the cache attends over other lengths (other reduction orders): fp32 rounding relative
+        # to the logits' scale (up to ~5 here; 3e-6 of it seen), a wrong offset is off by O(1)
+        scale = max(1.0, w[w.isfinite()].abs().max().item())
+        assert_close(g, w, rtol=1e-5, atol=1e-5 * scale, what=f"step {i}")
     with pytest.raises(ValueError, match="cannot hold 17"):
         next_logits(model, ps, ids[:, :1], 90, cache)
     return True
