@@ -39,7 +39,7 @@ from megazero.dryrun import fake_cuda  # noqa: E402
 GPT3 = ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
         "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536 --bf16 "
         "--mock-data --vocab-size 50257 --train-iters 10 --sequence-parallel "
-        "--recompute-activations")
+        "--recompute-granularity full")
 GIB = 2**30
 
 

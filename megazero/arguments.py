@@ -79,9 +79,10 @@ def _add_model_args(parser):
     g.add("--attention-softmax-in-fp32", action="store_true",
           help="with --bf16/--fp16, the unfused attention computes its softmax in fp32 (the "
                "flash and fused kernels always accumulate it in fp32)")
-    g.add("--recompute-activations", "--checkpoint-activations", action="store_true",
-          help="recompute each transformer layer's activations in backward (Megatron's "
-               "--recompute-granularity full --recompute-method uniform)")
+    g.add("--checkpoint-activations", field="recompute_activations", action="store_true",
+          help="recompute each transformer layer's activations in backward (Megatron-"
+               "DeepSpeed's flag: --recompute-granularity full --recompute-method uniform; "
+               "Megatron-LM's --recompute-activations is the selective recompute)")
     g.add("--recompute-granularity", choices=["full", "selective"],
           help="full: whole layers (--recompute-method, --recompute-num-layers); selective: "
                "only the attention core (scores, softmax, dropout, context)")

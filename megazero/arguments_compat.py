@@ -93,6 +93,11 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer: ZeRO-1 over dp (--zero-stage 1 "
                         "unless a higher stage is given)")
+    g.add_argument("--recompute-activations", dest="megatron_recompute_activations",
+                   action="store_true",
+                   help="Megatron-LM's: selective recompute of the attention core "
+                        "(--recompute-granularity selective); --checkpoint-activations "
+                        "recomputes whole layers")
     g.add_argument("--no-position-embedding", action="store_true",
                    help="no learned absolute position embedding (--position-embedding-type "
                         "none unless rope)")
@@ -155,6 +160,14 @@ def apply_compat(ns: argparse.Namespace) -> None:
                      "--reset-attention-mask, whose document masks the data loader builds")
     if lines:
         raise ConfigError("; ".join(lines))
+    if ns.megatron_recompute_activations:
+        if ns.recompute_granularity == "full" or ns.recompute_activations:
+            raise ConfigError(
+                "--recompute-activations is Megatron-LM's selective recompute: it contradicts "
+                + ("--recompute-granularity full" if ns.recompute_granularity == "full"
+                   else "--checkpoint-activations")
+                + " (whole layers); give one of them")
+        ns.recompute_granularity = "selective"
     if ns.use_distributed_optimizer and ns.zero_stage == 0:
         ns.zero_stage = 1
     if ns.no_position_embedding and ns.position_embedding_type == "learned_absolute":

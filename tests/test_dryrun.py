@@ -65,7 +65,7 @@ def dry_run_cli(flags: str, rank: int, world: int, device: str = "cuda", peers: 
      "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 16 --zero-stage 2 --bf16 "
      "--sequence-parallel", 63, 64),
     ("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 2 --global-batch-size 128 "
-     "--zero-stage 3 --recompute-activations", 517, 1024),
+     "--zero-stage 3 --recompute-granularity full", 517, 1024),
 ], ids=["world8-tp2-pp2-zero1", "world64-tp4-pp4-virtual-zero2-bf16-sp",
         "world1024-tp8-pp2-dp64-zero3-recompute"])
 def test_dry_run_on_fake_cuda(flags, rank, world):
@@ -152,7 +152,7 @@ LAYOUTS = [
      "--zero-stage 1 --sequence-parallel", 8),
     ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
      "--num-layers-per-virtual-pipeline-stage 2 --global-batch-size 4 --zero-stage 2 "
-     "--recompute-activations", 4),
+     "--recompute-granularity full", 4),
 ]
 
 
@@ -219,7 +219,7 @@ def test_checkpoint_in_cpu_moves_saved_activations_off_the_device():
     wait in host memory, so one rank's measured device peak (during the backward, with the
     saved inputs of the layers not yet back-propagated alive) drops by about those bytes."""
     flags = ("--tensor-model-parallel-size 2 --global-batch-size 32 --zero-stage 1 "
-             "--recompute-activations --seq-length 256 --max-position-embeddings 256 "
+             "--recompute-granularity full --seq-length 256 --max-position-embeddings 256 "
              "--micro-batch-size 8")
     plain, _ = dry_run_cli(flags, 1, 8, peers=False)
     offloaded, _ = dry_run_cli(flags + " --checkpoint-in-cpu", 1, 8, peers=False)

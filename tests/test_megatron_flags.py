@@ -101,3 +101,18 @@ def test_no_flag_is_parsed_and_ignored():
         if any(o in arguments_compat.ALWAYS_SO for o in action.option_strings):
             continue  # megazero always does what the flag asks
         assert f"ns.{dest}" in source, f"flag {action.option_strings} is parsed but not read"
+
+
+def test_recompute_flags_mean_what_their_frameworks_mean(capsys):
+    """Megatron-LM's --recompute-activations is the selective recompute; Megatron-DeepSpeed's
+    (and Megatron v2's) --checkpoint-activations recomputes whole layers."""
+    selective = parse_args(_argv("--recompute-activations"), world_size=1).model
+    assert selective.recompute_granularity == "selective"
+    assert not selective.recompute_activations
+    full = parse_args(_argv("--checkpoint-activations"), world_size=1).model
+    assert full.recompute_granularity == "full" and full.recompute_activations
+    for other in ("--recompute-granularity full", "--checkpoint-activations"):
+        with pytest.raises(SystemExit):
+            parse_args(_argv(f"--recompute-activations {other}"), world_size=1)
+        assert ("--recompute-activations is Megatron-LM's selective recompute: it contradicts "
+                f"{other}") in capsys.readouterr().err

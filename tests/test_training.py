@@ -34,7 +34,7 @@ def test_gradient_accumulation_matches_large_micro_batch(single_process_run):
 
 
 def test_activation_recompute_matches(single_process_run):
-    run = run_training(TINY + ITERS + " --recompute-activations --checkpoint-num-layers 2", 1)
+    run = run_training(TINY + ITERS + " --recompute-granularity full --checkpoint-num-layers 2", 1)
     assert_same_run(run, single_process_run, rtol=1e-6, what="recompute")
 
 

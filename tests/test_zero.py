@@ -35,7 +35,7 @@ def test_zero_stage_matches_single_process(single_process_run, stage, argv, worl
 
 @pytest.mark.parametrize("extra", [" --zero-stage 2 --zero-overlap-comm",
                                    " --zero-stage 3 --zero-param-persistence-threshold 64",
-                                   " --zero-stage 3 --recompute-activations --no-zero-prefetch",
+                                   " --zero-stage 3 --checkpoint-activations --no-zero-prefetch",
                                    " --zero-stage 1 --optimizer sgd --lr 0.05",
                                    " --zero-stage 2 --cpu-offload",
                                    " --zero-stage 3 --cpu-offload --cpu-torch-adam",

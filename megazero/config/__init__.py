@@ -106,10 +106,11 @@ class MegazeroConfig:
                    f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
                    f"--tensor-model-parallel-size ({tp})")
         if m.partition_activations:
-            _check(m.recompute_activations,
-                   "--partition-activations needs --recompute-activations")
+            _check(m.recompute_activations, "--partition-activations needs whole-layer "
+                   "recompute (--checkpoint-activations or --recompute-granularity full)")
         if m.checkpoint_in_cpu:
-            _check(m.recompute_activations, "--checkpoint-in-cpu needs --recompute-activations")
+            _check(m.recompute_activations, "--checkpoint-in-cpu needs whole-layer recompute "
+                   "(--checkpoint-activations or --recompute-granularity full)")
 
     @property
     def num_microbatches(self) -> int:

@@ -56,7 +56,8 @@ class ModelConfig:
     # attention kernel: auto | flash | fused | unfused | local (scaled_dot_product_attention's)
     attention_backend: str = "auto"
     attention_softmax_in_fp32: bool = False
-    # activation recompute (Megatron's --recompute-granularity full = recompute_activations)
+    # activation recompute (--recompute-granularity full or --checkpoint-activations =
+    # recompute_activations; Megatron-LM's --recompute-activations is granularity selective)
     recompute_activations: bool = False
     recompute_granularity: str | None = None  # full | selective
     recompute_method: str = "uniform"  # uniform | block
@@ -108,7 +109,7 @@ class ModelConfig:
         elif self.recompute_activations and self.recompute_granularity is None:
             self.recompute_granularity = "full"
         _check(not (self.recompute_activations and self.recompute_granularity == "selective"),
-               "--recompute-activations (whole layers) contradicts --recompute-granularity "
+               "--checkpoint-activations (whole layers) contradicts --recompute-granularity "
                "selective")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "

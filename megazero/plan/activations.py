@@ -155,7 +155,7 @@ def dry_run_flags(h, a, s, b, t, V, layers, recompute, sp, backend, dropout, ele
     if sp and t > 1:
         flags.append("--sequence-parallel")
     if recompute == "full":
-        flags.append("--recompute-activations")
+        flags += ["--recompute-granularity", "full"]
     elif recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
     if not dropout:

@@ -96,7 +96,7 @@ def layout_flags(layout: Layout, job: Job) -> list[str]:
     if layout.sp:
         flags += ["--sequence-parallel"]
     if layout.recompute == "full":
-        flags += ["--recompute-activations"]
+        flags += ["--recompute-granularity", "full"]
     elif layout.recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
     if layout.zero:
