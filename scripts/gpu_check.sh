@@ -11,12 +11,16 @@
 #           MFU (scripts/gpu_check_report.py; PEAK_TFLOPS overrides the GPU's peak)
 #   parity  with 2+ GPUs: the lm loss of tp2, pp2, dp2 (and tp2 x pp2 x dp2 on 8 GPUs) under
 #           NCCL against one GPU, 20 fp32 iterations, dropout off, within 1e-4 relative
+#   vscpu   on one GPU: plain fp32, ZeRO-3, ZeRO-3 with states and parameters on NVMe, ZeRO-2
+#           with a CPU-offloaded optimizer, and a checkpoint at 10 resumed to 20, each against
+#           the same run on this host's CPU (CUDA_VISIBLE_DEVICES=), within 1e-4 relative
 #
 # Without a GPU the GPU steps are SKIP, with the reason, and the rest runs. Exit status 1 when a
 # step FAILed. Logs go to $GPU_CHECK_DIR (/tmp/megazero_gpu_check). Knobs: PYTHON (python3),
 # GPU_CHECK_STEPS (a subset of the names above), GPU_CHECK_QUICK=1 (no nvcc compile checks, a
-# 3-iteration smoke run), GPU_CHECK_PARITY_ON_CPU=N (parity on gloo as if N GPUs were there,
-# to check this script on CPU), GPU_CHECK_LAYOUTS (a subset of: tp2 pp2 dp2 tp2xpp2xdp2).
+# 3-iteration smoke run), GPU_CHECK_PARITY_ON_CPU=N (parity and vscpu on gloo as if N GPUs
+# were there, to check this script on CPU), GPU_CHECK_LAYOUTS (a subset of: tp2 pp2 dp2
+# tp2xpp2xdp2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,9 +28,9 @@ PYTHON=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-/tmp/megazero_gpu_check}
 BUDGET=${GPU_CHECK_BUDGET:-450}
 QUICK=${GPU_CHECK_QUICK:-0}
-WANTED=" ${GPU_CHECK_STEPS:-build tests smoke train parity} "
+WANTED=" ${GPU_CHECK_STEPS:-build tests smoke train parity vscpu} "
 WANTED_LAYOUTS=" ${GPU_CHECK_LAYOUTS:-tp2 pp2 dp2 tp2xpp2xdp2} "
-mkdir -p "$DIR" && rm -f "$DIR"/{build,ops_report,test_ops_cuda,smoke,train_*,parity_*}.log
+mkdir -p "$DIR" && rm -f "$DIR"/{build,ops_report,test_ops_cuda,smoke,train_*,parity_*,vscpu_*}.log
 
 COMMON_ARGS=(--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-fraction 0.1
     --weight-decay 0.1 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
@@ -46,6 +50,11 @@ PARITY_ARGS=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-lengt
     --hidden-dropout 0 --clip-grad 1.0 --split 969,30,1)
 LAYOUTS=("tp2 2 --tensor-model-parallel-size 2" "pp2 2 --pipeline-model-parallel-size 2" "dp2 2"
     "tp2xpp2xdp2 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2")
+
+# one GPU against this host's CPU: name and flags (NVME: a folder under $DIR)
+VSCPU=("fp32" "zero3 --zero-stage 3"
+    "zero3-nvme --zero-stage 3 --offload-optimizer nvme --offload-param nvme --nvme-path NVME"
+    "zero2-cpu-offload --zero-stage 2 --offload-optimizer cpu" "resume")
 
 STEPS=() STATUS=() DETAIL=()
 record() {  # record STEP STATUS DETAIL
@@ -165,6 +174,33 @@ print(s.getsockname()[1])')
     done
 }
 
+step_vscpu() {
+    local slots=${GPU_CHECK_PARITY_ON_CPU:-$NGPU} spec name flags log
+    if ((slots < 1)); then record "GPU vs CPU" SKIP "no GPU"; return; fi
+    run_logged vscpu_reference 180 env CUDA_VISIBLE_DEVICES= "$PYTHON" pretrain_gpt2.py \
+        "${PARITY_ARGS[@]}" || { record "GPU vs CPU" FAIL "$(failure $? vscpu_reference)"; return; }
+    for spec in "${VSCPU[@]}"; do
+        read -r name flags <<<"$spec"
+        log=vscpu_$name
+        if [[ $name == resume ]]; then  # a checkpoint at 10, then 11-20 from it
+            rm -rf "$DIR/vscpu_ckpt"
+            run_logged "${log}_first" 120 "$PYTHON" pretrain_gpt2.py "${PARITY_ARGS[@]}" \
+                --save "$DIR/vscpu_ckpt" --save-interval 10 --exit-interval 10 ||
+                { record "GPU vs CPU: $name" FAIL "$(failure $? "${log}_first")"; continue; }
+            run_logged "${log}_second" 120 "$PYTHON" pretrain_gpt2.py "${PARITY_ARGS[@]}" \
+                --load "$DIR/vscpu_ckpt" ||
+                { record "GPU vs CPU: $name" FAIL "$(failure $? "${log}_second")"; continue; }
+            cat "$DIR/${log}_first.log" "$DIR/${log}_second.log" >"$DIR/$log.log"
+        else
+            # shellcheck disable=SC2086  # $flags: several words
+            run_logged "$log" 120 "$PYTHON" pretrain_gpt2.py "${PARITY_ARGS[@]}" \
+                ${flags//NVME/$DIR/vscpu_nvme} ||
+                { record "GPU vs CPU: $name" FAIL "$(failure $? "$log")"; continue; }
+        fi
+        report_row "GPU vs CPU: $name" parity "$DIR/vscpu_reference.log" "$DIR/$log.log"
+    done
+}
+
 IFS='|' read -r NGPU GPU_NAME TORCH <<<"$("$PYTHON" -c 'import torch
 n = torch.cuda.device_count(); name = torch.cuda.get_device_name(0) if n else "cpu"
 print(n, name, f"{torch.__version__} (CUDA {torch.version.cuda})", sep="|")' 2>/dev/null)"
@@ -184,6 +220,7 @@ if [[ $WANTED == *" train "* ]]; then
     done
 fi
 [[ $WANTED == *" parity "* ]] && step_parity
+[[ $WANTED == *" vscpu "* ]] && step_vscpu
 
 width=4
 for s in "${STEPS[@]}"; do ((${#s} > width)) && width=${#s}; done

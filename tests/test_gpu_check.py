@@ -207,7 +207,8 @@ def test_script_on_cpu_skips_the_gpu_steps(tmp_path):
     rows = table(proc.stdout)
     assert list(rows) == ["build CUDA kernels", "test_ops_cuda.py", "smoke train (tiny, fp32)",
                           "train gpt2 (README) bf16", "train gpt2-345m bf16", "parity tp2",
-                          "parity pp2", "parity dp2", "parity tp2xpp2xdp2"], out[-4000:]
+                          "parity pp2", "parity dp2", "parity tp2xpp2xdp2", "GPU vs CPU"],\
+        out[-4000:]
     for step, (status, detail) in rows.items():
         if step.startswith("smoke"):
             assert status == "PASS", (step, detail)
@@ -230,6 +231,20 @@ def test_script_parity_step_runs_on_gloo(tmp_path):
     assert rows["parity dp2"][0] == "PASS" and "20 iterations" in rows["parity dp2"][1]
     assert rows["parity tp2xpp2xdp2"][0] == "SKIP"
     assert list(rows) == ["parity dp2", "parity tp2xpp2xdp2"]
+
+
+@needs_cpu_machine
+def test_script_vscpu_step_runs_on_cpu(tmp_path):
+    """The one-GPU-against-the-CPU step's plumbing (reference, ZeRO-3, NVMe, offload, a resume
+    joined from two runs), with both sides on this CPU: every row equal."""
+    proc = run_script(tmp_path, GPU_CHECK_STEPS="vscpu", GPU_CHECK_PARITY_ON_CPU="1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = table(proc.stdout)
+    assert list(rows) == [f"GPU vs CPU: {n}" for n in
+                          ("fp32", "zero3", "zero3-nvme", "zero2-cpu-offload", "resume")]
+    for status, detail in rows.values():
+        assert status == "PASS" and "20 iterations" in detail, detail
+    assert (tmp_path / "logs" / "vscpu_zero3-nvme.log").read_text().count("lm loss") == 20
 
 
 @needs_cpu_machine
