@@ -87,6 +87,10 @@ class ActivationModel:
         return cls.load(path, backend="auto" if system.ranks_share_cores else "gpu-fused")
 
     def coefficients(self, job: Job, lay: Layout) -> Coefficients:
+        return self._lookup(job, lay)[0]
+
+    def _lookup(self, job: Job, lay: Layout) -> tuple[Coefficients, bool]:
+        """The class's coefficients, and whether they were fitted (else Korthikanti's)."""
         if self.backend == "gpu-fused":
             rc = "selective" if lay.recompute == "none" else lay.recompute
             lay = Layout(lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.virtual, lay.zero,
@@ -95,11 +99,11 @@ class ActivationModel:
         else:
             key = class_key(lay, job, self.backend, self.dropout)
         if key in self.coeffs:
-            return self.coeffs[key]
+            return self.coeffs[key], True
         base = lay.recompute + ("+sp" if lay.sp and lay.tp > 1 else "")
         a, b, c = KORTHIKANTI[base]
         scale = job.elem_bytes / 2
-        return Coefficients(a * scale, b * scale, c * scale, 4 * scale, 8.0, 0.0, 8.0)
+        return Coefficients(a * scale, b * scale, c * scale, 4 * scale, 8.0, 0.0, 8.0), False
 
     def layer_bytes(self, job: Job, lay: Layout) -> float:
         """One layer, one micro-batch."""
@@ -120,11 +124,13 @@ class ActivationModel:
                         layers_per_stage: int) -> float:
         """The working set above what is kept: a recomputed layer, the head's backward,
         ZeRO-3's gathered units."""
-        m, k = job.model, self.coefficients(job, lay)
+        m, (k, fitted) = job.model, self._lookup(job, lay)
         s, b, t = m.seq_length, lay.micro_batch, lay.tp
         out = k.T1 * s * b * m.hidden_size / t + (k.T2 * s * b * m.vocab_size / t
                                                   if last else 0.0)
-        if lay.recompute == "full":
+        if lay.recompute == "full" and not fitted:
+            # a fitted full class's T1 already holds the recomputed layer (its dry runs' peak
+            # includes it); Korthikanti's coefficients do not
             out += self.layer_bytes(job, Layout(lay.tp, lay.pp, lay.dp, lay.micro_batch,
                                                 sp=lay.sp))
         if lay.zero == 3 and lay.dp > 1 and layers_per_stage:
@@ -200,8 +206,7 @@ def calibrate_class(recompute: str, sp: bool, backend: str, dropout: bool, elem_
         edge_rows.append([sbh, s * b * V / t, s * s * b])
         edges.append(rep[1]["activation_bytes"] - one)
         transient = rep[1]["peak_bytes"] - _states(rep[1]) - rep[1]["activation_bytes"]
-        if recompute == "full":
-            transient -= 0  # the recomputed layer is part of what the fit absorbs
+        # under full recompute the recomputed layer is part of this transient: T1 holds it
         tr_rows.append([sbh / t, s * b * V / t])
         trans.append(max(transient, 0))
     A, B, C = _nonnegative_fit(rows, per_layer)
