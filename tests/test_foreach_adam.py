@@ -91,3 +91,13 @@ def test_batches_are_bounded_and_keep_order():
     assert _batches([5, 5, 5], 10) == [[0, 1], [2]]
     assert _batches([20, 1, 1], 10) == [[0], [1, 2]]  # a large tensor alone
     assert _batches([], 10) == []
+
+
+def test_the_log_line_names_the_gpu_step():
+    """"Using ... optimizer" says which step runs where the main values live."""
+    from megazero.optim.rules import AdamRule, describe_rule
+
+    rule = AdamRule()
+    assert "multi-tensor (torch._foreach) on the GPU" in describe_rule(rule, torch.device("cuda"))
+    assert "GPU" not in describe_rule(rule, torch.device("cpu"))
+    assert "GPU" not in describe_rule(rule)

@@ -134,3 +134,24 @@ def test_parse_fix_and_models():
     assert one == m
     assert resolve_model(["--num-layers", "2", "--hidden-size", "64",
                           "--num-attention-heads", "4", "--bf16"]) == m
+
+
+def test_full_recompute_transient_counts_the_recomputed_layer_once():
+    """A fitted full-recompute class's transient (T1, T2) was measured with the recomputed
+    layer alive, so the planner adds nothing more; Korthikanti's fallback, which has no
+    transient of its own, adds the layer's bytes."""
+    from megazero.plan.activations import ActivationModel
+
+    job = Job(resolve_model("--num-layers 4 --hidden-size 128 --num-attention-heads 8 "
+                            "--seq-length 128 --vocab-size 2048"), 4, 16, "fp32")
+    lay = Layout(1, 1, 4, 4, zero=1, recompute="full")
+    fallback = ActivationModel({}, backend="auto")
+    fitted_coeffs = fallback.coefficients(job, lay)
+    key = "full/auto/drop/e4"
+    fitted = ActivationModel({key: fitted_coeffs}, backend="auto")
+    assert fitted._lookup(job, lay) == (fitted_coeffs, True)
+    kw = dict(last=True, stage_params=0, layers_per_stage=4)
+    layer = fallback.layer_bytes(job, Layout(1, 1, 4, 4))
+    assert layer > 0
+    assert fallback.transient_bytes(job, lay, **kw) == \
+        pytest.approx(fitted.transient_bytes(job, lay, **kw) + layer)
