@@ -55,12 +55,14 @@ contender-round ``--warmup`` steps, then ``--steps`` measured ones. Reported per
   state tensors this rank holds (local shards for FSDP2's DTensors; DDP's gradients are views
   of its buckets, so the buckets are counted once), the max over ranks;
 * buffers: what megazero's ``memory_report`` counts besides the model states (the staging
-  slots of the gradient reduction, the ring's receive buffer, gathered ZeRO-3 units);
+  slots of the gradient reduction, the ring's receive buffer or its shared-memory segments,
+  gathered ZeRO-3 units);
 * unaccounted MB: anonymous resident bytes (``RssAnon`` of ``/proc/self/status``, after
   glibc's ``malloc_trim`` returned freed pages; the clean file-backed pages of torch's library
   code that the first backward or Adam step pages in are not memory anybody holds) after the
   measured steps, minus those before the model was built, minus all
-  the memory report accounts for (model states and buffers): what the process keeps that
+  the memory report accounts for (model states and buffers; the ring's shared-memory
+  segments are resident as shared, not anonymous, pages): what the process keeps that
   nobody accounts for (module buffers, autograd and module bookkeeping, fragments the
   allocator cannot return); max over ranks, median over rounds. By default every contender's
   workers run with ``MKL_DISABLE_FAST_MM=1`` and ``MALLOC_ARENA_MAX=1`` (``ALLOCATOR_CACHES_OFF``):
@@ -255,7 +257,9 @@ def _run_contender(kind, args, ps):
         if i >= args.warmup:
             times.append((t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3))
     memory = opt.memory_report()
-    held = sum(v for k, v in memory.items() if not k.endswith("_peak"))
+    # anonymous memory held (the ring's shared-memory segments are resident as shared pages)
+    held = sum(v for k, v in memory.items()
+               if not k.endswith("_peak") and not k.startswith("shared_"))
     unaccounted = _resident() - before_model - held
     with torch.no_grad():
         final = _loss(module, eval_batch).detach().reshape(1).double()

@@ -48,7 +48,8 @@ class _Pending:
 class BucketReducer:
     """Counts gradient readiness per bucket and reduces complete buckets over ``dp_group``.
 
-    ``before_reduce(bucket)`` runs before each collective (ZeRO-3's order check) and
+    ``before_reduce(bucket)`` runs before each collective and returns the ``OrderCheck`` it
+    carries, or None (ZeRO-3's order check);
     ``after_reduce(bucket)`` once the bucket's gradients have left (ZeRO-3 releases the
     unit's parameters); ``end_of_backward()`` runs after each backward (ZeRO-3 releases
     everything gathered).
@@ -56,7 +57,7 @@ class BucketReducer:
 
     def __init__(self, layout: FlatLayout, grads, dp_group, *, overlap: bool,
                  max_in_flight: int = 1,
-                 before_reduce: Callable[[Bucket], None] | None = None,
+                 before_reduce: Callable[[Bucket], object] | None = None,
                  after_reduce: Callable[[Bucket], None] | None = None,
                  end_of_backward: Callable[[], None] | None = None):
         self.layout, self.grads, self.dp_group = layout, grads, dp_group
@@ -113,8 +114,7 @@ class BucketReducer:
 
     # ---- the collectives -----------------------------------------------------------------
     def reduce(self, bucket: Bucket, async_op: bool) -> None:
-        if self.before_reduce is not None:
-            self.before_reduce(bucket)
+        order = self.before_reduce(bucket) if self.before_reduce is not None else None
         self.done[bucket.index] = True
         if async_op and len(self._pending) >= self.max_in_flight:
             self._complete(self._pending.pop(0))
@@ -122,8 +122,10 @@ class BucketReducer:
         if self.layout.shard:
             out = self.grads.reduce_output(bucket)
             work = comm.reduce_scatter_into(out, src, self.dp_group, async_op=async_op,
-                                            overwrite_input=True)
+                                            overwrite_input=True, order=order)
         else:
+            if order is not None:
+                comm.communicator_of(self.dp_group).check_order(self.dp_group, order, src)
             out = src
             work = comm.all_reduce(src, self.dp_group, async_op=async_op)
         if work is not None and async_op:

@@ -314,10 +314,13 @@ class ZeroOptimizer:
         report = {"params": self.params.nbytes, "grads": self.grads.nbytes,
                   "main_params": 0 if self.offload else main,
                   "optimizer_states": 0 if self.offload else states,
-                  # buffers of the reduction: staging slots and the ring's receive buffer
+                  # buffers of the reduction: staging slots, the ring's receive buffer and segments
                   "staging": self.grads.staging_nbytes,
                   "comm_buffers": comm.communicator_of(self.dp_group).buffer_bytes(
-                      self.dp_group) if self.dp_size > 1 else 0}
+                      self.dp_group) if self.dp_size > 1 else 0,
+                  # the ring's shared-memory segments (ranks on one host): shared pages
+                  "shared_comm_buffers": comm.communicator_of(self.dp_group)
+                  .shared_buffer_bytes(self.dp_group) if self.dp_size > 1 else 0}
         if self.offload:  # host memory, off the accelerator
             report.update(host_main_params=main, host_optimizer_states=states,
                           host_grads=nbytes(self.grad_host))

@@ -14,9 +14,11 @@ reducer; gradients use the owned-partition storage of stage 2.
   gradients have left.
 * Parameters at or below ``--zero-param-persistence-threshold`` elements stay whole on every
   rank (one replicated bucket, stage-2 semantics: reduce-scatter, update, all-gather).
-* Every collective is preceded by a tiny all-gather of (kind, bucket, sequence number): ranks
-  that diverge fail at once with an error naming what each rank was doing, instead of hanging
-  (``--no-zero3-order-check`` skips it).
+* Every collective carries an order check of (kind, bucket, sequence number): ranks that
+  diverge fail at once with an error naming what each rank was doing, instead of hanging.
+  On the ring the codes ride in its first barrier, on its thread (free for the main thread);
+  other collectives are preceded by a tiny all-gather of them (``--no-zero3-order-check``
+  skips both).
 
 A model built on the ``meta`` device is materialised here directly in partitions: each owned
 piece is drawn from the layout-invariant initialiser (seed, parameter name, element index), so
@@ -270,7 +272,9 @@ class Zero3Optimizer(ZeroOptimizer):
                 bucket = self.layout.buckets[b]
                 full = torch.cat([self.layout.ranges[pr.name].param.data.reshape(-1)
                                   for pr in bucket.params])
-                self.gatherer.check("broadcast", b)
+                check = self.gatherer.order("broadcast", b)
+                if check is not None:  # broadcasts never run on the ring: check first
+                    comm.communicator_of(self.dp_group).check_order(self.dp_group, check, full)
                 comm.broadcast(full, src, self.dp_group)
                 c0, c1 = self.layout.owned_chunk(bucket)
                 real = min(c1, bucket.start + full.numel()) - c0

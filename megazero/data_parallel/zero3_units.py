@@ -9,10 +9,11 @@ parameters is a unit of its own (``modules_with_params``).
 ``UnitGatherer`` all-gathers a unit over ``dp_group`` just before one of its modules runs
 (forward and backward pre-hooks), prefetches the neighbouring unit asynchronously, releases
 the full parameters after the unit's last user (or once all its gradients left in backward),
-accounts the gathered bytes, turns diverging ranks into an error (a tiny all-gather of (kind,
-bucket, sequence number) before each collective), and keeps autograd from holding gathered
-buffers between forward and backward (saved-tensor hooks that store a view's geometry
-instead of the view).
+accounts the gathered bytes, turns diverging ranks into an error (each collective carries an
+order check of (kind, bucket, sequence number): compared on the ring's thread in its first
+barrier where the ring carries it, else by a tiny all-gather before it), and keeps autograd
+from holding gathered buffers between forward and backward (saved-tensor hooks that store a
+view's geometry instead of the view).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 
 from megazero.data_parallel.layout import FlatLayout
 from megazero.distributed import comm
-from megazero.distributed.device import host_all
+from megazero.distributed.order import CollectiveOrderError, OrderCheck
 from megazero.tensor_parallel.meta import meta_of
 
 UnitPolicy = Callable[[nn.Module], list[tuple[str, list[nn.Module]]]]
@@ -88,8 +89,21 @@ class _PackedView:
     offset: int  # elements from the start of the gathered buffer
 
 
-class ZeroOrderError(RuntimeError):
+class ZeroOrderError(CollectiveOrderError):
     """Data-parallel ranks issued ZeRO-3 collectives in different orders."""
+
+
+_CODES = {"gather": 1, "prefetch": 1, "reduce": 2, "broadcast": 3}
+_NAMES = {1: "all-gather", 2: "reduce-scatter", 3: "broadcast"}
+
+
+def _diverged(seen: dict) -> ZeroOrderError:
+    """The error of an order check that disagreed: what each rank it heard was doing."""
+    desc = "; ".join(f"dp rank {r}: {_NAMES.get(k, k)} of bucket {b} (collective #{s})"
+                     for r, (k, b, s) in sorted(seen.items()))
+    return ZeroOrderError("ZeRO-3 ranks diverged: data-parallel ranks issue collectives in "
+                          f"different orders ({desc}). Every rank must run the same modules "
+                          "in the same order.")
 
 
 class UnitGatherer:
@@ -123,29 +137,18 @@ class UnitGatherer:
         self.live_bytes = self.peak_live_bytes = 0
 
     # ---- order check ---------------------------------------------------------------------
-    def check(self, kind: str, index: int) -> None:
+    def order(self, kind: str, index: int) -> OrderCheck | None:
+        """The order check the next collective carries (``comm``: exchanged on the ring's
+        thread inside its first barrier, else a blocking all-gather before it)."""
         if not self.check_order or self.dp_size == 1:
-            return
+            return None
         self.seq += 1
-        codes = {"gather": 1, "prefetch": 1, "reduce": 2, "broadcast": 3}
-        mine = self.proto.new_empty(3, dtype=torch.int64)
-        mine.copy_(torch.tensor([codes[kind], index, self.seq], dtype=torch.int64))
-        everyone = self.proto.new_empty(3 * self.dp_size, dtype=torch.int64)
-        comm.all_gather_into(everyone, mine, self.dp_group)
-        rows = everyone.view(self.dp_size, 3)
-        if not host_all(rows == rows[0]):
-            rows = rows.cpu()
-            names = {1: "all-gather", 2: "reduce-scatter", 3: "broadcast"}
-            desc = "; ".join(f"dp rank {r}: {names.get(int(k), k)} of bucket {int(b)} "
-                             f"(collective #{int(s)})" for r, (k, b, s) in enumerate(rows))
-            raise ZeroOrderError("ZeRO-3 ranks diverged: data-parallel ranks issue "
-                                 f"collectives in different orders ({desc}). Every rank "
-                                 "must run the same modules in the same order.")
+        return OrderCheck((_CODES[kind], index, self.seq), _diverged)
 
     # ---- gather and release --------------------------------------------------------------
     def _start_gather(self, b: int, async_op: bool):
         bucket = self.layout.buckets[b]
-        self.check("gather", b)
+        order = self.order("gather", b)
         self._account(bucket.numel)
         if self.dp_size == 1:  # the chunk read from its file is the bucket
             full = self.owned_chunk(bucket)[:bucket.numel]
@@ -154,7 +157,7 @@ class UnitGatherer:
         full = self.proto.new_empty(bucket.numel)
         self.buffers.append(weakref.ref(full))
         work = comm.all_gather_into(full, self.owned_chunk(bucket), self.dp_group,
-                                    async_op=async_op)
+                                    async_op=async_op, order=order)
         return full, work
 
     def fetch(self, unit: Unit, direction: int = 1, prefetch: bool = True) -> None:
@@ -230,8 +233,8 @@ class UnitGatherer:
             self.release(unit)
 
     # ---- callbacks of the bucket reducer -------------------------------------------------
-    def before_reduce(self, bucket) -> None:
-        self.check("reduce", bucket.index)
+    def before_reduce(self, bucket) -> OrderCheck | None:
+        return self.order("reduce", bucket.index)
 
     def after_reduce(self, bucket, unit_of_bucket: dict) -> None:
         """Release a unit as soon as all its buckets' gradients have left."""

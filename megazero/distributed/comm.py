@@ -31,8 +31,13 @@ the job it rehearses. With ``recording`` on, every collective and point-to-point
 appended to ``records`` (group, op, shape, dtype, bytes, peer) for the dry run's report and
 its cross-rank comparison.
 
-This module imports nothing of megazero but ``distributed.ring`` and ``distributed.device``,
-so ``tensor_parallel`` stays usable on its own.
+All-gathers and reduce-scatters may carry an ``OrderCheck`` (``order=``): the ranks compare
+what they are about to issue before any data moves (on the ring's thread, inside its first
+barrier, where the ring carries the collective; else a blocking all-gather of the codes) and
+raise the check's error on a disagreement.
+
+This module imports nothing of megazero but ``distributed.ring``, ``distributed.order`` and
+``distributed.device``, so ``tensor_parallel`` stays usable on its own.
 """
 
 from __future__ import annotations
@@ -50,10 +55,12 @@ from megazero.distributed import ring as _ring
 from megazero.distributed.device import (
     expected_device_type,
     fake_to_meta,
+    host_all,
     host_device_type,
     host_side,
     parse_backend,
 )
+from megazero.distributed.order import CollectiveOrderError, OrderCheck
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -244,6 +251,8 @@ class Communicator:
         that ``wait()`` does the same."""
         try:
             work = call()
+        except CollectiveOrderError:
+            raise
         except RuntimeError as exc:
             raise self.failure(op, group, exc, peer) from exc
         return _NamedWork(work, self, op, group, peer) if work is not None else None
@@ -299,6 +308,12 @@ class Communicator:
         entry = self._rings.get(group)
         return entry[0].nbytes if entry is not None else 0
 
+    def shared_buffer_bytes(self, group) -> int:
+        """Bytes of shared memory ``group``'s ring maps (its segment and its peers', same
+        host): resident as shared, not anonymous, memory."""
+        entry = self._rings.get(group)
+        return entry[0].shared_nbytes if entry is not None else 0
+
     def ring_decisions(self) -> dict:
         """What the measurement (or the policy) chose per group (reports, benchmarks)."""
         return {str(dist.get_process_group_ranks(g)): d for g, (_, d) in self._rings.items()}
@@ -332,22 +347,41 @@ class Communicator:
         self._record(kind, input_, group, (n - 1) * shard_nbytes, host=host)
         return True, self._ring_for(group, kind, full_nbytes) if ring_ok else None
 
-    def all_gather_into(self, output, input_, group=None, async_op=False, host=False):
+    def check_order(self, group, check: OrderCheck, like: torch.Tensor) -> None:
+        """Blocking all-gather of ``check.code`` over ``group`` (on ``like``'s device); raise
+        ``check.error`` when the ranks' codes differ."""
+        n = group_size(group)
+        # made from ``like`` (new_empty): in module backward hooks a fake tensor (the dry
+        # run) carries its mode where a factory call might not
+        mine = like.new_empty(3, dtype=torch.int64)
+        mine.copy_(torch.tensor(check.code, dtype=torch.int64))
+        everyone = like.new_empty(3 * n, dtype=torch.int64)
+        self.all_gather_into(everyone, mine, group)
+        rows = everyone.view(n, 3)
+        if not host_all(rows == rows[0]):
+            raise check.error({q: tuple(int(v) for v in row) for q, row in
+                               enumerate(rows.cpu())})
+
+    def all_gather_into(self, output, input_, group=None, async_op=False, host=False,
+                        order: OrderCheck | None = None):
         """output = concat over ranks of input_ (along dim 0 of the flat layout); ``host``:
-        host-side traffic on the backend's CPU route."""
+        host-side traffic on the backend's CPU route; ``order``: checked first."""
         active, ring = self._begin("all_gather", output, input_, group, _nbytes(input_),
                                    _nbytes(output), host=host)
         if not active:
             return None
         if ring is not None:
             return self._run("all_gather", group, lambda: ring.all_gather(
-                output.view(-1), input_.reshape(-1), async_op=async_op))
+                output.view(-1), input_.reshape(-1), async_op=async_op, check=order))
+        if order is not None:
+            self.check_order(group, order, output)
         # 1-D views: gloo splits the output along dim 0 into n equal chunks of the input's shape.
         return self._run("all_gather", group, lambda: _all_gather_single(
             output.view(-1), input_.reshape(-1), group=group, async_op=async_op))
 
     def reduce_scatter_into(self, output, input_, group=None, op=dist.ReduceOp.SUM,
-                            async_op=False, overwrite_input=False):
+                            async_op=False, overwrite_input=False,
+                            order: OrderCheck | None = None):
         """output = this rank's chunk (dim 0) of the sum over ranks of input_.
 
         ``overwrite_input`` lets the ring implementation use ``input_`` as scratch space;
@@ -360,7 +394,9 @@ class Communicator:
         if ring is not None:
             return self._run("reduce_scatter", group, lambda: ring.reduce_scatter(
                 output.view(-1), input_.reshape(-1), overwrite_input=overwrite_input,
-                async_op=async_op))
+                async_op=async_op, check=order))
+        if order is not None:
+            self.check_order(group, order, output)
         if _same_storage(output, input_):  # in place (chunk r of input_): the ring's way
             tmp = torch.empty_like(output)
             work = self._run("reduce_scatter", group, lambda: _reduce_scatter_single(
@@ -498,6 +534,8 @@ class _NamedWork:
     def wait(self, *args, **kwargs):
         try:
             return self.work.wait(*args, **kwargs)
+        except CollectiveOrderError:
+            raise
         except RuntimeError as exc:
             raise self._comm.failure(self._op, self._group, exc, self._peer) from exc
 
@@ -535,16 +573,17 @@ def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
     return communicator_of(group).all_reduce(tensor, group, op=op, async_op=async_op)
 
 
-def all_gather_into(output, input_, group=None, async_op=False, host=False):
+def all_gather_into(output, input_, group=None, async_op=False, host=False, order=None):
     return communicator_of(group).all_gather_into(output, input_, group, async_op=async_op,
-                                                  host=host)
+                                                  host=host, order=order)
 
 
 def reduce_scatter_into(output, input_, group=None, op=dist.ReduceOp.SUM, async_op=False,
-                        overwrite_input=False):
+                        overwrite_input=False, order=None):
     return communicator_of(group).reduce_scatter_into(output, input_, group, op=op,
                                                       async_op=async_op,
-                                                      overwrite_input=overwrite_input)
+                                                      overwrite_input=overwrite_input,
+                                                      order=order)
 
 
 def all_to_all_single(output, input_, group=None, async_op=False):

@@ -164,8 +164,8 @@ def log_memory(optimizer, ps: ParallelState, resident_before_model: int | None =
     total = resident_bytes()
     if ps.device.type == "cpu" and now is not None and resident_before_model is not None:
         gained = now - resident_before_model
-        held = sum(v for k, v in report.items()
-                   if not k.endswith("_peak") and not k.startswith("host_"))
+        held = sum(v for k, v in report.items()  # shared segments are not anonymous
+                   if not k.endswith("_peak") and not k.startswith(("host_", "shared_")))
         line += (f"; resident {total / 2**20:.1f} MB (allocator trimmed), of it anonymous "
                  f"{now / 2**20:.1f} MB, {gained / 2**20:.1f} MB more than before the model "
                  f"was built, {(gained - held) / 2**20:.1f} MB of it unaccounted")
