@@ -4,8 +4,9 @@ On n gloo processes (one thread each) and for fp32 buffers of B bytes, times
 
 * gloo native reduce-scatter (``dist.reduce_scatter_single``) and megazero's ring
   reduce-scatter (``megazero.ring.Ring.reduce_scatter``, with ``overwrite_input=True`` as ZeRO
-  calls it), B in, B/n out;
-* gloo native all-gather (``dist.all_gather_single``) and the ring all-gather, B/n in, B out;
+  calls it), B in, B/n out, over shared memory (``ring``: the processes share this host) and
+  over TCP loopback (``tcp-ring``: ``transport="tcp"``, what ranks on different hosts use);
+* gloo native all-gather (``dist.all_gather_single``) and the ring all-gathers, B/n in, B out;
 * ``dist.all_reduce`` of the same B bytes: the baseline. A reduce-scatter moves half an
   all-reduce's bytes, so a good one should take about half its time.
 
@@ -33,11 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-OPS = ("native reduce_scatter", "ring reduce_scatter", "native all_gather", "ring all_gather",
-       "all_reduce")
+OPS = ("native reduce_scatter", "ring reduce_scatter", "tcp-ring reduce_scatter",
+       "native all_gather", "ring all_gather", "tcp-ring all_gather", "all_reduce")
 
 
-def _bench_size(numel, reps, warmup, ring, rank, n):
+def _bench_size(numel, reps, warmup, ring, tcp, rank, n):
     from megazero.distributed import comm
 
     big = torch.randn(numel)
@@ -55,12 +56,19 @@ def _bench_size(numel, reps, warmup, ring, rank, n):
     ref_ag = gathered.clone()
     ring.all_gather(gathered, src)
     assert torch.equal(gathered, ref_ag), "ring all-gather differs from gloo's"
+    tcp_part = torch.empty_like(part)
+    tcp.reduce_scatter(tcp_part, big.clone())
+    ring.reduce_scatter(part, big.clone())
+    assert torch.equal(part, tcp_part), "the transports' reduce-scatters differ"
 
     fns = {
         "native reduce_scatter": lambda: comm._native_rs(part, big, None),
         "ring reduce_scatter": lambda: ring.reduce_scatter(part, ring_in, overwrite_input=True),
+        "tcp-ring reduce_scatter": lambda: tcp.reduce_scatter(part, ring_in,
+                                                              overwrite_input=True),
         "native all_gather": lambda: comm._native_ag(gathered, part, None),
         "ring all_gather": lambda: ring.all_gather(gathered, part),
+        "tcp-ring all_gather": lambda: tcp.all_gather(gathered, part),
         "all_reduce": lambda: dist.all_reduce(ar),
     }
     times = {k: [] for k in OPS}
@@ -73,7 +81,7 @@ def _bench_size(numel, reps, warmup, ring, rank, n):
             dt = time.perf_counter() - t0
             if rep >= warmup:
                 times[name].append(dt)
-            if name == "ring reduce_scatter":
+            if name.endswith("ring reduce_scatter"):
                 ring_in.copy_(big)  # keep values bounded (outside the timed region)
     # slowest rank per repetition, then the median over repetitions
     local = torch.tensor([times[k] for k in OPS], dtype=torch.float64)  # [ops, reps]
@@ -92,12 +100,13 @@ def _worker(rank, world, port, args, out):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))
     group = dist.group.WORLD
-    r = ring.Ring(group)
+    r = ring.Ring(group)  # shared memory between these processes of one host
+    tcp = ring.Ring(group, transport="tcp")
     results = {}
     for mib in args.sizes_mib:
         numel = int(mib * (1 << 20)) // 4
         numel -= numel % world
-        results[mib] = _bench_size(numel, args.reps, args.warmup, r, rank, world)
+        results[mib] = _bench_size(numel, args.reps, args.warmup, r, tcp, rank, world)
     choice = ring.choose(group, comm._native_rs, comm._native_ag, policy="auto")
     if rank == 0:
         out.put((results, choice))
@@ -139,8 +148,8 @@ def main():
             for name in OPS:
                 moved = (2 if name == "all_reduce" else 1) * (world - 1) / world * nbytes
                 ratio = ""
-                if name.startswith("ring"):
-                    ratio = f"{t[name] / t[name.replace('ring', 'native')]:.2f}"
+                if "ring" in name:
+                    ratio = f"{t[name] / t[name.split()[-1].join(('native ', ''))]:.2f}"
                 print(f"| {world} | {mib:g} | {name} | {t[name] * 1e3:.1f} | "
                       f"{moved / t[name] / 1e9:.2f} | {t[name] / t['all_reduce']:.2f} | "
                       f"{ratio} |")
