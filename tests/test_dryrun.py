@@ -6,8 +6,8 @@
 * a CPU tensor sent to a collective of an NCCL group fails with a message naming the
   collective, the group, the device and the expected one;
 * predicted = measured: the dry run's model-state bytes equal what a real gloo run of the same
-  layout allocates (its optimizer's ``memory_report()`` and the same tracker), and its
-  activation and peak figures come within 10% of the real run's.
+  layout allocates (its optimizer's ``memory_report()`` and the same tracker), and so do its
+  activation and peak figures (the fused CPU ops' allocations are mirrored on fake tensors).
 """
 
 from __future__ import annotations
@@ -170,10 +170,11 @@ def test_predicted_memory_equals_measured(flags, world):
     assert predicted == mine["states"]  # the same allocations, byte for byte
     for k, v in predicted.items():
         assert v == mine["memory_report"][k], (k, v, mine["memory_report"])
+    # the fused CPU ops allocate around their (skipped) kernel calls on fake tensors what
+    # they allocate around the real ones: activations and peak equal to the byte
     for key, real_key in (("activation_bytes", "max_activations"),
                           ("peak_bytes", "peak_bytes")):
-        assert abs(report[key] - mine["peak"][real_key]) <= 0.1 * mine["peak"][real_key], \
-            (key, report[key], mine["peak"])
+        assert report[key] == mine["peak"][real_key], (key, report[key], mine["peak"])
 
 
 def _fake_run(rank, records, **ranks):

@@ -37,7 +37,7 @@ class _FusedBiasGelu(torch.autograd.Function):
         x = x.contiguous()
         rows, cols = fc.rows_cols(x)  # x as [rows, h]
         y = torch.empty_like(x)
-        ext.bias_gelu_fwd(x.data_ptr(), fc.address(bias), y.data_ptr(), rows, cols,
+        ext.bias_gelu_fwd(fc.ptr(x), fc.address(bias), fc.ptr(y), rows, cols,
                           fc.dtype_code(x.dtype), fc.num_threads())
         ctx.save_for_backward(x, bias)
         ctx.ext = ext
@@ -52,7 +52,7 @@ class _FusedBiasGelu(torch.autograd.Function):
         rows, cols = fc.rows_cols(x)
         dx = torch.empty_like(x)
         dbias = None if bias is None else torch.empty_like(bias)
-        ext.bias_gelu_bwd(dy.data_ptr(), x.data_ptr(), fc.address(bias), dx.data_ptr(),
+        ext.bias_gelu_bwd(fc.ptr(dy), fc.ptr(x), fc.address(bias), fc.ptr(dx),
                           fc.address(dbias), rows, cols, fc.dtype_code(x.dtype),
                           fc.num_threads())
         return dx, dbias, None
@@ -68,7 +68,7 @@ def _fusable(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def fused_bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """gelu_tanh(x + bias) for x [..., h] and bias [h] (or None); autograd-aware."""
-    ext = fc.cpu_extension() if _fusable(x, bias) else None
+    ext = fc.cpu_extension_for(x, bias) if _fusable(x, bias) else None
     if ext is not None:
         return _FusedBiasGelu.apply(x, None if bias is None else bias.contiguous(), ext)
     return F.gelu(x if bias is None else x + bias, approximate="tanh")

@@ -36,6 +36,40 @@ def cpu_extension():
     return _cpu_ext.get_extension(CPU_EXTENSION)
 
 
+class _ShapeOnly:
+    """Stands for the kernel module when the tensors are fake (the dry run: shapes without
+    memory). The op's Python side allocates its outputs and saves for backward exactly what
+    it does around a real kernel call; only the call, which would read and write raw
+    addresses, is skipped. So the dry run of a CPU job keeps what the kernels keep (a
+    counter-based dropout keeps no mask, LayerNorm its mean and rstd), not what the PyTorch
+    reference formulas would."""
+
+    def __getattr__(self, name):
+        return _skip
+
+
+def _skip(*args, **kwargs) -> None:
+    return None
+
+
+SHAPE_ONLY = _ShapeOnly()
+
+
+def cpu_extension_for(*tensors):
+    """The kernel module for these tensors: ``cpu_extension()`` for real ones, the shape-only
+    stand-in for fake ones where the extension is built (a real run on this machine would
+    take the kernel), None where it is not (the real run takes the reference path too)."""
+    ext = cpu_extension()
+    if ext is not None and not all(t is None or _cpu_ext.holds_data(t) for t in tensors):
+        return SHAPE_ONLY
+    return ext
+
+
+def ptr(t: torch.Tensor | None) -> int:
+    """Raw address of ``t`` for a kernel; 0 for an absent or fake tensor."""
+    return 0 if t is None or not _cpu_ext.holds_data(t) else t.data_ptr()
+
+
 def cuda_extension():
     """The compiled CUDA module ``megazero.ops._fused_cuda``, or None."""
     return load_extension(CUDA_EXTENSION) if torch.cuda.is_available() else None
@@ -64,10 +98,10 @@ def dtype_code(dtype: torch.dtype) -> int | None:
 
 
 def cpu_kernel_args_ok(*tensors) -> bool:
-    """True when every given tensor (None entries skipped) is a CPU fp32/bf16 tensor with
-    data (fake tensors of the dry run take the reference path)."""
-    return all(t is None or (t.device.type == "cpu" and t.dtype in _DTYPE_CODES
-                             and _cpu_ext.holds_data(t)) for t in tensors)
+    """True when every given tensor (None entries skipped) is a CPU fp32/bf16 tensor (fake
+    ones included: ``cpu_extension_for`` gives them the shape-only stand-in)."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype in _DTYPE_CODES)
+               for t in tensors)
 
 
 def num_threads() -> int:
@@ -75,8 +109,8 @@ def num_threads() -> int:
 
 
 def address(t: torch.Tensor | None) -> int:
-    """Raw address passed to the kernels; 0 stands for an absent tensor."""
-    return 0 if t is None else t.data_ptr()
+    """Raw address passed to the kernels; 0 stands for an absent (or fake) tensor."""
+    return ptr(t)
 
 
 def simd_level() -> str | None:

@@ -104,8 +104,8 @@ class _FusedBiasDropoutAdd(torch.autograd.Function):
         seed = draw_seed() if enabled else 0
         threshold, scale = dropout_params(p) if enabled else (0, 1.0)
         out = torch.empty_like(x)
-        ext.bias_dropout_add_fwd(x.data_ptr(), fc.address(bias), residual.data_ptr(),
-                                 out.data_ptr(), rows, cols, seed, threshold, scale, enabled,
+        ext.bias_dropout_add_fwd(fc.ptr(x), fc.address(bias), fc.ptr(residual),
+                                 fc.ptr(out), rows, cols, seed, threshold, scale, enabled,
                                  fc.dtype_code(x.dtype), fc.num_threads())
         ctx.args = (rows, cols, seed, threshold, scale, enabled, bias is not None)
         ctx.ext = ext
@@ -122,7 +122,7 @@ class _FusedBiasDropoutAdd(torch.autograd.Function):
         ext = ctx.ext
         dx = torch.empty_like(dy)
         dbias = dy.new_empty(cols) if has_bias else None
-        ext.bias_dropout_add_bwd(dy.data_ptr(), dx.data_ptr(), fc.address(dbias), rows, cols,
+        ext.bias_dropout_add_bwd(fc.ptr(dy), fc.ptr(dx), fc.address(dbias), rows, cols,
                                  seed, threshold, scale, True, fc.dtype_code(dy.dtype),
                                  fc.num_threads())
         return dx, dbias, dy, None, None, None
@@ -142,7 +142,8 @@ def fused_bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual:
     if x.is_cuda:
         y = x if bias is None else x + bias
         return residual + F.dropout(y, p=p, training=training)
-    ext = fc.cpu_extension() if _fusable(x, bias, residual) else None
+    ext = fc.cpu_extension_for(x, bias, residual) if _fusable(x, bias, residual) \
+        else None
     if ext is not None:  # at any size: small tensors too keep the kernel's masks
         return _FusedBiasDropoutAdd.apply(x, None if bias is None else bias.contiguous(),
                                           residual, float(p), bool(training), ext)

@@ -52,8 +52,8 @@ class _FusedLayerNormCPU(torch.autograd.Function):
         y = torch.empty_like(x)
         mean, rstd = torch.empty(2, rows, dtype=torch.float32)  # [rows] each
         wdt = fc.dtype_code(weight.dtype if weight is not None else x.dtype)
-        ext.layer_norm_fwd(x.data_ptr(), fc.address(weight), fc.address(bias), y.data_ptr(),
-                           mean.data_ptr(), rstd.data_ptr(), rows, h, float(eps),
+        ext.layer_norm_fwd(fc.ptr(x), fc.address(weight), fc.address(bias), fc.ptr(y),
+                           fc.ptr(mean), fc.ptr(rstd), rows, h, float(eps),
                            fc.dtype_code(x.dtype), wdt, fc.num_threads())
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.has_bias, ctx.ext = bias is not None, ext
@@ -71,8 +71,8 @@ class _FusedLayerNormCPU(torch.autograd.Function):
         if weight is not None:
             dw, db = torch.empty_like(weight), torch.empty_like(weight)
         wdt = fc.dtype_code(weight.dtype if weight is not None else x.dtype)
-        ext.layer_norm_bwd(dy.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-                           fc.address(weight), dx.data_ptr(), fc.address(dw), fc.address(db),
+        ext.layer_norm_bwd(fc.ptr(dy), fc.ptr(x), fc.ptr(mean), fc.ptr(rstd),
+                           fc.address(weight), fc.ptr(dx), fc.address(dw), fc.address(db),
                            rows, h, fc.dtype_code(x.dtype), wdt, fc.num_threads())
         return dx, dw, db if ctx.has_bias else None, None, None
 
@@ -97,7 +97,8 @@ def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     if x.is_cuda:
         if CUDA_KERNEL_BY_DEFAULT and cuda_fused.layer_norm_available(x, weight, bias):
             return cuda_fused.layer_norm(x, weight, bias, eps)
-    elif _fusable_cpu(x, weight, bias) and (ext := fc.cpu_extension()) is not None:
+    elif _fusable_cpu(x, weight, bias) and \
+            (ext := fc.cpu_extension_for(x, weight, bias)) is not None:
         return _FusedLayerNormCPU.apply(
             x, None if weight is None else weight.contiguous(),
             None if bias is None else bias.contiguous(), eps, ext)

@@ -40,7 +40,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         rows, h = fc.rows_cols(x)  # x as [rows, h]
         y = torch.empty_like(x)
         rstd = torch.empty(rows, dtype=torch.float32)
-        ext.rms_norm_fwd(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, h,
+        ext.rms_norm_fwd(fc.ptr(x), fc.ptr(weight), fc.ptr(y), fc.ptr(rstd), rows, h,
                          float(eps), fc.dtype_code(x.dtype), fc.num_threads())
         ctx.save_for_backward(x, weight, rstd)
         ctx.ext = ext
@@ -54,8 +54,8 @@ class _FusedRMSNorm(torch.autograd.Function):
         rows, h = fc.rows_cols(x)
         dx = torch.empty_like(x)
         dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        ctx.ext.rms_norm_bwd(dy.data_ptr(), x.data_ptr(), rstd.data_ptr(), weight.data_ptr(),
-                             dx.data_ptr(), fc.address(dw), rows, h, fc.dtype_code(x.dtype),
+        ctx.ext.rms_norm_bwd(fc.ptr(dy), fc.ptr(x), fc.ptr(rstd), fc.ptr(weight),
+                             fc.ptr(dx), fc.address(dw), rows, h, fc.dtype_code(x.dtype),
                              fc.num_threads())
         return dx, dw, None, None
 
@@ -70,7 +70,7 @@ def _fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., h] with weight [h]; autograd-aware."""
-    if _fusable(x, weight) and (ext := fc.cpu_extension()) is not None:
+    if _fusable(x, weight) and (ext := fc.cpu_extension_for(x, weight)) is not None:
         return _FusedRMSNorm.apply(x, weight.contiguous(), eps, ext)
     return rms_norm_reference(x, weight, eps)
 

@@ -50,7 +50,7 @@ def _run(ext, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward:
     b, heads, s, hn = src.shape
     strides = (*src.stride()[:3], *out.stride()[:3], cos.stride(0), cos.stride(2),
                sin.stride(0), sin.stride(2))
-    ext.rope(src.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+    ext.rope(fc.ptr(src), fc.ptr(cos), fc.ptr(sin), fc.ptr(out),
              (b, heads, s, hn, cos.shape[-1]), strides, backward, fc.dtype_code(src.dtype),
              fc.num_threads())
     return out
@@ -104,7 +104,7 @@ def _tables(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 def fused_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on t [b, heads, s, hn] with cos, sin [b, 1, s, rot]; autograd-aware."""
     tables = _tables(t, cos, sin)
-    if tables is not None and (ext := fc.cpu_extension()) is not None:
+    if tables is not None and (ext := fc.cpu_extension_for(t, *tables)) is not None:
         return _FusedRope.apply(t, *tables, ext)
     return rope_reference(t, cos, sin)
 

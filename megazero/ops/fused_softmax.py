@@ -54,7 +54,7 @@ class _CausalSoftmaxCPU(torch.autograd.Function):
         sq, sk = scores.shape[-2:]
         batches = scores.numel() // (sq * sk)  # scores as [batches, sq, sk]
         y = torch.empty_like(scores)
-        ext.softmax_fwd(scores.data_ptr(), y.data_ptr(), batches, sq, sk, float(scale),
+        ext.softmax_fwd(fc.ptr(scores), fc.ptr(y), batches, sq, sk, float(scale),
                         fc.dtype_code(scores.dtype), fc.num_threads())
         ctx.save_for_backward(y)
         ctx.dims, ctx.ext = (batches, sq, sk, float(scale)), ext
@@ -68,7 +68,7 @@ class _CausalSoftmaxCPU(torch.autograd.Function):
         ext = ctx.ext
         dy = dy.contiguous()
         dx = torch.empty_like(y)
-        ext.softmax_bwd(dy.data_ptr(), y.data_ptr(), dx.data_ptr(), batches, sq, sk, scale,
+        ext.softmax_bwd(fc.ptr(dy), fc.ptr(y), fc.ptr(dx), batches, sq, sk, scale,
                         fc.dtype_code(y.dtype), fc.num_threads())
         return dx, None, None
 
@@ -82,7 +82,7 @@ def scaled_upper_triang_masked_softmax(scores: torch.Tensor, scale: float) -> to
     if scores.is_cuda:
         if cuda_fused.softmax_available(scores):
             return cuda_fused.scaled_upper_triang_masked_softmax(scores, scale)
-    elif fc.cpu_kernel_args_ok(scores) and (ext := fc.cpu_extension()) is not None:
+    elif fc.cpu_kernel_args_ok(scores) and (ext := fc.cpu_extension_for(scores)) is not None:
         return _CausalSoftmaxCPU.apply(scores, float(scale), ext)
     return softmax_eager(scores, scale)
 

@@ -41,7 +41,7 @@ class _FusedBiasSwiGLU(torch.autograd.Function):
         y = y.contiguous()
         rows, two_f = fc.rows_cols(y)  # y as [rows, 2f]
         out = y.new_empty(y.shape[:-1] + (two_f // 2,))
-        ext.swiglu_fwd(y.data_ptr(), fc.address(bias), out.data_ptr(), rows, two_f // 2,
+        ext.swiglu_fwd(fc.ptr(y), fc.address(bias), fc.ptr(out), rows, two_f // 2,
                        fc.dtype_code(y.dtype), fc.num_threads())
         ctx.save_for_backward(y, bias)
         ctx.ext = ext
@@ -55,7 +55,7 @@ class _FusedBiasSwiGLU(torch.autograd.Function):
         rows, two_f = fc.rows_cols(y)
         dy = torch.empty_like(y)
         dbias = torch.empty_like(bias) if bias is not None and ctx.needs_input_grad[1] else None
-        ctx.ext.swiglu_bwd(dout.data_ptr(), y.data_ptr(), fc.address(bias), dy.data_ptr(),
+        ctx.ext.swiglu_bwd(fc.ptr(dout), fc.ptr(y), fc.address(bias), fc.ptr(dy),
                            fc.address(dbias), rows, two_f // 2, fc.dtype_code(y.dtype),
                            fc.num_threads())
         return dy, dbias, None
@@ -71,7 +71,7 @@ def _fusable(y: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def fused_bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """swiglu(y + bias) for y [..., 2f] (gate and up interleaved); autograd-aware."""
-    if _fusable(y, bias) and (ext := fc.cpu_extension()) is not None:
+    if _fusable(y, bias) and (ext := fc.cpu_extension_for(y, bias)) is not None:
         return _FusedBiasSwiGLU.apply(y, None if bias is None else bias.contiguous(), ext)
     return swiglu_reference(y if bias is None else y + bias)
 
