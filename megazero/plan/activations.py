@@ -19,6 +19,7 @@ the fitted and published coefficients are compared in benchmarks/RESULTS.md.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -30,7 +31,7 @@ import numpy as np
 
 from megazero.arguments import parse_args
 from megazero.dryrun.run import DryRunOptions, dry_run
-from megazero.plan.layout import Job, Layout
+from megazero.plan.layout import Job, Layout, model_flags
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +63,31 @@ class Coefficients:
     E3: float = 0.0  # s^2 b: the attention mask the data carry
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One class at the job's own shape (h, heads, s, V, micro-batch, tp), from dry runs of
+    one and two layers: bytes one layer keeps per micro-batch, the embedding's and head's
+    together, and the working set above them (one stage holding everything)."""
+
+    layer: float
+    edges: float
+    transient: float
+
+
 class ActivationModel:
-    """Per-class coefficients; a class never calibrated falls back to Korthikanti's."""
+    """Per-class coefficients; a class never calibrated falls back to Korthikanti's.
+
+    ``exact``: each class a layout needs is dry-run at the job's own shape instead (two dry
+    runs of one rank per class, cached; seconds for a small model, so the default for CPU
+    systems, where jobs are small), and only the number of layers and of micro-batches in
+    flight is scaled: what a formula fitted across shapes cannot capture (which tensors a
+    kernel keeps at this size) comes from the program itself."""
 
     def __init__(self, coeffs: dict[str, Coefficients] | None = None, backend: str = "auto",
-                 dropout: bool = True):
+                 dropout: bool = True, exact: bool = False):
         self.coeffs = coeffs or {}
-        self.backend, self.dropout = backend, dropout
+        self.backend, self.dropout, self.exact = backend, dropout, exact
+        self.measured: dict[tuple, Measured] = {}
 
     @classmethod
     def load(cls, path: Path = COEFF_FILE, **kwargs) -> ActivationModel:
@@ -84,7 +103,34 @@ class ActivationModel:
         CPU run uses). GPU systems: fused attention (flash / memory-efficient SDPA) keeps
         no ``a s^2`` tensors, so a layer without recompute keeps what the selective class
         keeps (the attention core's scores are what selective recompute drops)."""
-        return cls.load(path, backend="auto" if system.ranks_share_cores else "gpu-fused")
+        cpu = system.ranks_share_cores
+        return cls.load(path, backend="auto" if cpu else "gpu-fused", exact=cpu)
+
+    def measure(self, job: Job, lay: Layout) -> Measured | None:
+        """The layout's class at the job's shape (``exact`` only; cached)."""
+        if not self.exact:
+            return None
+        m = job.model
+        rc, backend = lay.recompute, self.backend
+        if backend == "gpu-fused":  # fused attention keeps what selective recompute keeps
+            rc, backend = ("selective" if rc == "none" else rc), "unfused"
+        sp = lay.sp and lay.tp > 1
+        key = (tuple(sorted(dataclasses.asdict(m).items())), lay.micro_batch, lay.tp, rc, sp,
+               backend, self.dropout, job.elem_bytes)
+        if key not in self.measured:
+            reps = {}
+            for layers in (1, 2):
+                flags = model_flags(dataclasses.replace(m, num_layers=layers)) + \
+                    dry_run_flags(m.hidden_size, m.num_attention_heads, m.seq_length,
+                                  lay.micro_batch, lay.tp, m.vocab_size, layers, rc, sp,
+                                  backend, self.dropout, job.elem_bytes)[10:]
+                reps[layers] = dry_run_report(flags, world=lay.tp)
+            one = reps[2]["activation_bytes"] - reps[1]["activation_bytes"]
+            r = reps[1]
+            self.measured[key] = Measured(
+                float(one), float(r["activation_bytes"] - one),
+                float(max(0, r["peak_bytes"] - _states(r) - r["activation_bytes"])))
+        return self.measured[key]
 
     def coefficients(self, job: Job, lay: Layout) -> Coefficients:
         return self._lookup(job, lay)[0]
@@ -107,6 +153,9 @@ class ActivationModel:
 
     def layer_bytes(self, job: Job, lay: Layout) -> float:
         """One layer, one micro-batch."""
+        exact = self.measure(job, lay)
+        if exact is not None:
+            return exact.layer
         m, k = job.model, self.coefficients(job, lay)
         s, b, h, t = m.seq_length, lay.micro_batch, m.hidden_size, lay.tp
         sbh = s * b * h
@@ -117,8 +166,14 @@ class ActivationModel:
         """The embedding's (first stage) and the head's (last stage) activations."""
         m, k = job.model, self.coefficients(job, lay)
         s, b, t = m.seq_length, lay.micro_batch, lay.tp
-        return (k.E1 * s * b * m.hidden_size + k.E3 * s * s * b if first else 0.0) + \
-            (k.E2 * s * b * m.vocab_size / t if last else 0.0)
+        head = k.E1 * s * b * m.hidden_size + k.E3 * s * s * b
+        tail = k.E2 * s * b * m.vocab_size / t
+        exact = self.measure(job, lay)
+        if exact is not None:  # the measured total, split as the fitted terms split it
+            both = head + tail
+            share = (head if first else 0.0) + (tail if last else 0.0)
+            return exact.edges * (share / both if both > 0 else float(first and last))
+        return (head if first else 0.0) + (tail if last else 0.0)
 
     def transient_bytes(self, job: Job, lay: Layout, *, last: bool, stage_params: int,
                         layers_per_stage: int) -> float:
@@ -128,7 +183,11 @@ class ActivationModel:
         s, b, t = m.seq_length, lay.micro_batch, lay.tp
         out = k.T1 * s * b * m.hidden_size / t + (k.T2 * s * b * m.vocab_size / t
                                                   if last else 0.0)
-        if lay.recompute == "full" and not fitted:
+        exact = self.measure(job, lay)
+        if exact is not None:  # measured on a stage with the head: drop its part elsewhere
+            out = max(0.0, exact.transient - (0.0 if last else
+                                              k.T2 * s * b * m.vocab_size / t))
+        elif lay.recompute == "full" and not fitted:
             # a fitted full class's T1 already holds the recomputed layer (its dry runs' peak
             # includes it); Korthikanti's coefficients do not
             out += self.layer_bytes(job, Layout(lay.tp, lay.pp, lay.dp, lay.micro_batch,

@@ -4,9 +4,12 @@ Micro-benchmarks, each rank's view (one thread per rank, as ``torchrun`` starts 
 matrix products at several sizes (peak FLOP/s per dtype and the GEMM size efficiency:
 ``gemm_max``, ``gemm_half_dim`` fitted to ``1 / (1 + k/M + k/K + k/N)``), a large copy
 (memory bandwidth), a gloo all-reduce between two local processes at two sizes (bandwidth
-and latency of the loopback "link"), and the fixed cost of one training step and of one
-micro-batch (``step_overhead``, ``microbatch_overhead``: a one-layer model trained with one
-and with four micro-batches). The machine is one "node" whose ranks share its cores
+and latency of the loopback "link"), the fixed cost of one training step, of one
+micro-batch and of one layer per micro-batch (``step_overhead``, ``microbatch_overhead``,
+``layer_overhead``, ``recompute_overhead``: a tiny model of one and three layers, one and four
+micro-batches, with and without full recompute), and
+what one blocking collective or exchange costs while twice as many ranks as cores compete
+(``sync_cost``). The machine is one "node" whose ranks share its cores
 (``ranks_share_cores``). ``--activations`` also refits ``activations.json`` from dry runs.
 """
 
@@ -113,16 +116,77 @@ def gloo_link() -> tuple[float, float]:
     return bandwidth, latency
 
 
-def step_overheads(iters: int = 8) -> tuple[float, float]:
-    """(seconds per step, per micro-batch) beyond the modelled compute: a one-layer,
-    hidden-64 model trained with one and with four micro-batches."""
+_SYNC = """
+import os, sys, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+rank, world = int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=rank,
+                        world_size=world)
+pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+pair = pairs[rank // 2]
+a = torch.randn(96, 96)
+def busy():  # about a layer's worth of small operators
+    for _ in range(40):
+        torch.mm(a, a)
+t = torch.ones(8)
+peer = rank ^ 1
+def ex():
+    r = torch.empty(8)
+    for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer),
+                                     dist.P2POp(dist.irecv, r, peer)]):
+        q.wait()
+calls = {"none": lambda: None, "2": lambda: dist.all_reduce(t, group=pair),
+         str(world): lambda: dist.all_reduce(t), "p2p": ex}
+n, out = 60, {}
+for rep in range(3):
+    for name, call in calls.items():
+        dist.barrier()
+        s = time.perf_counter()
+        for _ in range(n):
+            busy(); call()
+        dist.barrier()
+        out.setdefault(name, []).append((time.perf_counter() - s) / n)
+if rank == 0:
+    best = {k: sorted(v)[len(v) // 2] for k, v in out.items()}
+    print("SYNC", " ".join(f"{k}={v - best['none']}" for k, v in best.items() if k != "none"))
+dist.destroy_process_group()
+"""
+
+
+def sync_costs(cores: int) -> dict:
+    """Seconds one blocking call costs while 2 x ``cores`` ranks share the cores, each
+    alternating ~a layer's worth of small matrix products with the call: a tiny all-reduce
+    over pairs and over all ranks, and a pair's point-to-point exchange, less the same loop
+    without calls (median of 3)."""
+    world = max(2, 2 * cores)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _SYNC, str(port), str(r), str(world)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    out = procs[0].communicate(timeout=300)[0]
+    for p in procs[1:]:
+        p.wait(timeout=300)
+    pairs = dict(item.split("=") for item in out.split("SYNC")[1].split())
+    return {k: max(0.0, float(v)) for k, v in pairs.items()}
+
+
+def step_overheads(iters: int = 8) -> tuple[float, float, float, float]:
+    """(seconds per step, per micro-batch, per layer and micro-batch, per layer and
+    micro-batch recomputed) beyond the modelled compute: a hidden-64 model of one layer
+    trained with one and with four micro-batches, and of three layers with four, without
+    and with full recompute."""
     times = {}
-    for m in (1, 4):
-        cmd = [sys.executable, "pretrain_gpt2.py", "--num-layers", "1", "--hidden-size", "64",
+    for layers, m, full in ((1, 1, False), (1, 4, False), (3, 4, False), (3, 4, True)):
+        cmd = [sys.executable, "pretrain_gpt2.py", "--num-layers", str(layers),
+               "--hidden-size", "64",
                "--num-attention-heads", "4", "--seq-length", "32",
                "--max-position-embeddings", "32", "--micro-batch-size", "1",
                "--global-batch-size", str(m), "--train-iters", str(iters), "--log-interval",
-               "1", "--mock-data", "--vocab-size", "256", "--eval-iters", "0"]
+               "1", "--mock-data", "--vocab-size", "256", "--eval-iters", "0"] + \
+            (["--recompute-granularity", "full"] if full else [])
         env = dict(os.environ, OMP_NUM_THREADS="1")
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
@@ -130,9 +194,11 @@ def step_overheads(iters: int = 8) -> tuple[float, float]:
                                             done.stdout + done.stderr)]
         if len(ms) < 3:
             raise RuntimeError(f"overhead run failed: {done.stderr[-2000:]}")
-        times[m] = statistics.median(ms[2:]) / 1e3
-    per_mb = max(0.0, (times[4] - times[1]) / 3)
-    return max(0.0, times[1] - per_mb), per_mb
+        times[layers, m, full] = statistics.median(ms[2:]) / 1e3
+    per_mb = max(0.0, (times[1, 4, False] - times[1, 1, False]) / 3)
+    per_layer = max(0.0, (times[3, 4, False] - times[1, 4, False]) / (2 * 4))
+    recompute = max(0.0, (times[3, 4, True] - times[3, 4, False]) / (3 * 4))
+    return max(0.0, times[1, 1, False] - per_mb), per_mb, per_layer, recompute
 
 
 def measure(name: str = "cpu-local") -> dict:
@@ -146,7 +212,8 @@ def measure(name: str = "cpu-local") -> dict:
         flops[label], fits[label] = peak, half
     hbm = copy_bandwidth()
     bw, lat = gloo_link()
-    step, per_mb = step_overheads()
+    step, per_mb, per_layer, recompute = step_overheads()
+    sync = sync_costs(cores)
     link = {"bandwidth": bw, "latency": lat}
     return {"name": name, "gpus_per_node": 64, "memory_bytes": float(
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
@@ -154,7 +221,8 @@ def measure(name: str = "cpu-local") -> dict:
         "efficiency": {"gemm_max": 1.0, "gemm_half_dim": fits["fp32"], "hbm": 1.0,
                        "network": 1.0},
         "cores": cores, "ranks_share_cores": True, "step_overhead": step,
-        "microbatch_overhead": per_mb,
+        "microbatch_overhead": per_mb, "layer_overhead": per_layer,
+        "recompute_overhead": recompute, "sync_cost": sync,
         "_sources": {"measured": f"python -m megazero.plan.calibrate on {socket.gethostname()}"
                                  f" at {time.strftime('%Y-%m-%d %H:%M')}",
                      "flops": "one-thread torch.mm, square sizes 32-512, peak and "
@@ -162,7 +230,12 @@ def measure(name: str = "cpu-local") -> dict:
                               f"{fits['bf16']:.0f})",
                      "hbm_bandwidth": "256 MiB float32 copy, read + write",
                      "links": "two-process gloo all-reduce on loopback, 256 B and 4 MiB",
-                     "overheads": "one-layer model, 1 and 4 micro-batches per step"}}
+                     "overheads": "hidden-64 model: 1 layer with 1 and 4 micro-batches "
+                                  "per step, 3 layers with 4 without and with full "
+                                  "recompute",
+                     "sync_cost": f"{max(2, 2 * cores)} one-thread ranks on {cores} cores, "
+                                  "~1 ms of small products then a blocking call, less "
+                                  "the loop without calls"}}
 
 
 def main(argv=None) -> int:

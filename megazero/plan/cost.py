@@ -24,13 +24,24 @@ all-gather for ZeRO 1-3, ZeRO-3's parameter gathers) runs on the link the dp gro
 where the runtime overlaps it (``Runtime``), only the part longer than the backward it hides
 behind is exposed. The optimizer step streams its partition's bytes through HBM (through
 host memory and PCIe with CPU offload).
+
+On a CPU machine whose ranks share the cores (``System.ranks_share_cores``) three host costs
+join: each layer's and micro-batch's operator overhead (``layer_overhead``,
+``recompute_overhead``, ``microbatch_overhead``: CPU time, stretched by the ranks per core
+like the compute); with
+more ranks than cores, every blocking collective and pipeline exchange (``blocking_calls``)
+costs ``sync_cost`` for its group size (the peer it waits for is often descheduled); and a
+pipeline's bubble shrinks, since a waiting stage leaves its core to another rank (absorbed
+entirely at twice as many ranks as cores).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megazero.config import ModelConfig
+from megazero.data_parallel.layout import default_bucket_size
 from megazero.plan.layout import Job, Layout
 from megazero.plan.system import System
 
@@ -67,6 +78,7 @@ class StepTime:
     dp_exposed: float = 0.0
     optimizer: float = 0.0
     overhead: float = 0.0
+    sync: float = 0.0  # blocking calls waiting for descheduled peers (ranks > cores)
     model_flops: float = 0.0  # per step, whole job, without recompute (MFU's numerator)
     hardware_flops: float = 0.0  # with recompute
     parts: dict = field(default_factory=dict)
@@ -173,9 +185,17 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
             p2p *= 0.25  # most exchanges are in flight during the next chunk's compute
         else:
             p2p *= 2  # send and receive not hidden: forward and backward each
-    per_mb = stage_fwd + stage_bwd + p2p + system.microbatch_overhead
+    # host work per micro-batch: CPU time, stretched like the compute where ranks share cores
+    host = system.microbatch_overhead + layers_per_stage * (
+        system.layer_overhead + (system.recompute_overhead if lay.recompute == "full"
+                                 else 0.0))
+    per_mb = stage_fwd + stage_bwd + p2p + host / share
     out.compute = mb * per_mb
     out.bubble = (lay.pp - 1) / lay.virtual * per_mb if lay.pp > 1 else 0.0
+    if system.ranks_share_cores and system.cores and job.world > system.cores:
+        # a stage waiting in the bubble leaves its core to another rank: with twice as many
+        # ranks as cores the bubble is absorbed (linearly in between)
+        out.bubble *= max(0.0, min(1.0, 2 * system.cores / job.world - 1))
     out.tp_comm = mb * layers_per_stage * layer["tp"]
     out.pp_comm = mb * p2p
     # data parallel: this stage's gradients (and ZeRO's parameter gathers)
@@ -217,11 +237,60 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
         out.optimizer = owned * rt.optimizer_bytes / (system.hbm_bandwidth
                                                       * system.efficiency.hbm * share)
     out.overhead = system.step_overhead
-    out.total = out.compute + out.bubble + out.dp_exposed + out.optimizer + out.overhead
+    calls = blocking_calls(job, lay)
+    out.sync = sum(n * system.call_cost(job.world, g) for g, n in calls.items())
+    out.total = out.compute + out.bubble + out.dp_exposed + out.optimizer + out.overhead + \
+        out.sync
     out.model_flops = model_flops_per_step(m, job.global_batch)
     out.hardware_flops = model_flops_per_step(m, job.global_batch, lay.recompute)
-    out.parts = {"layer": layer, "head": head, "p2p": p2p, "per_microbatch": per_mb}
+    out.parts = {"layer": layer, "head": head, "p2p": p2p, "per_microbatch": per_mb,
+                 "calls": calls}
     return out
+
+
+RING_MIN_BYTES = 4 << 20  # comm.RING_MIN_BYTES: smaller ZeRO-3 units check order apart
+
+
+def blocking_calls(job: Job, lay: Layout) -> dict:
+    """Blocking collectives and exchanges one rank of the fullest stage issues per step, by
+    group size (``"p2p"`` for pipeline exchanges): tensor parallel 4 per layer and
+    micro-batch (6 with full recompute) plus the embedding's and the vocab-parallel loss's;
+    pipeline 2 per micro-batch and chunk (1F1B's steady state pairs each send with the
+    opposite receive: ``send_forward_recv_backward``, ``send_backward_recv_forward``); data
+    parallel
+    per bucket (all-reduce; reduce-scatter and all-gather; ZeRO-2 reduces at every
+    micro-batch) or, for ZeRO-3, an all-gather per unit in forward and backward and a
+    reduce-scatter per unit and micro-batch, each after its order check when the unit is
+    below the ring's size; the loss and gradient-norm reductions once per step."""
+    m = job.model
+    mbs = lay.microbatches(job.global_batch)
+    layers = m.num_layers // lay.pp
+    calls: dict = {}
+
+    def add(group, n):
+        if n and (group == "p2p" or group > 1):
+            calls[group] = calls.get(group, 0) + n
+    add(lay.tp, mbs * (layers * (6 if lay.recompute == "full" else 4) + 5))
+    if lay.pp > 1:
+        add("p2p", mbs * lay.virtual * 2)
+    if lay.dp > 1:
+        params = _stage_param_elems(m, lay)
+        buckets = max(1, math.ceil(params / default_bucket_size(int(params), lay.dp)))
+        if lay.zero == 0:
+            add(lay.dp, buckets)
+        elif lay.zero == 1:
+            add(lay.dp, 2 * buckets)
+        elif lay.zero == 2:
+            add(lay.dp, buckets * (mbs + 1))
+        else:
+            units = layers + 1
+            n = 3 * units * mbs
+            if params * job.elem_bytes / units < RING_MIN_BYTES:
+                n *= 2
+            add(lay.dp, n)
+        add(lay.dp, 1)  # the loss's average
+    add(lay.tp * lay.pp * (lay.dp if lay.zero else 1), 1)  # the gradient norm
+    return calls
 
 
 def _stage_param_elems(m: ModelConfig, lay: Layout) -> float:

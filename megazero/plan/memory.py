@@ -102,8 +102,8 @@ def model_key(m: ModelConfig) -> tuple:
 
 def model_state_bytes(job: Job, lay: Layout, pp_rank: int) -> dict:
     """Bytes the optimizer allocates on pipeline rank ``pp_rank`` (any tp and dp rank):
-    ``params``, ``grads``, ``main_params``, ``optimizer_states`` on the device and ``host``
-    (CPU offload)."""
+    ``params``, ``grads``, ``main_params``, ``optimizer_states`` on the device, ``host``
+    (CPU offload) and ``staging`` (ZeRO 2-3's gradient slots, part of the working set)."""
     model = _with_dtype(job)
     ps, chunks, named = _stage_named(model_key(model), lay.tp, lay.pp, lay.virtual, pp_rank,
                                      lay.dp)
@@ -123,14 +123,18 @@ def model_state_bytes(job: Job, lay: Layout, pp_rank: int) -> dict:
         params = layout.numel * e
         grads = (layout.numel if lay.zero < 2 else layout.partition_numel) * e
     part = layout.partition_numel
+    # ZeRO 2-3 stage each bucket's gradients in reused slots of the largest bucket's size:
+    # one being reduced while the next micro-batch fills another (grads.SlotPool)
+    staging = 2 * max((b.numel for b in layout.buckets), default=0) * e \
+        if lay.zero >= 2 and lay.dp > 1 else 0
     separate_main = e != 4 or lay.offload
     main = part * 4 if separate_main else 0
     states = n_states * part * 4
     if lay.offload:
         return {"params": params, "grads": grads, "main_params": 0, "optimizer_states": 0,
-                "host": main + states + part * 4}
+                "host": main + states + part * 4, "staging": staging}
     return {"params": params, "grads": grads, "main_params": main,
-            "optimizer_states": states, "host": 0}
+            "optimizer_states": states, "host": 0, "staging": staging}
 
 
 def _with_dtype(job: Job) -> ModelConfig:
@@ -174,6 +178,7 @@ def rank_memory(job: Job, lay: Layout, acts: ActivationModel,
             in_flight(lay, mbs, r), mbs)
         transient = acts.transient_bytes(job, lay, last=last, stage_params=st["params"],
                                          layers_per_stage=layers_per_chunk * lay.virtual)
+        transient += st["staging"]
         mem = RankMemory(st["params"], st["grads"], st["main_params"], st["optimizer_states"],
                          st["host"], int(act), int(transient), r)
         if best is None or mem.peak > best.peak:

@@ -12,13 +12,18 @@ Fields (SI units: bytes, seconds, FLOP/s, bytes/s):
 ``hbm_bandwidth``, ``intra_node`` / ``inter_node`` ({"bandwidth": per GPU and direction,
 "latency": per message}), ``efficiency`` ({"gemm_max", "gemm_half_dim", "hbm", "network"}),
 optionally ``cores`` and ``ranks_share_cores`` (a CPU machine whose ranks share ``cores``:
-each rank gets ``cores / world`` of the compute when the world is larger) and
-``step_overhead`` (seconds of fixed host work per step and per micro-batch).
+each rank gets ``cores / world`` of the compute when the world is larger),
+``step_overhead`` / ``microbatch_overhead`` (seconds of fixed host work per step and per
+micro-batch), ``layer_overhead`` and ``recompute_overhead`` (CPU seconds per layer and
+micro-batch beyond the FLOPs, and per fully recomputed layer) and
+``sync_cost`` ({group size or "p2p": seconds per blocking call while the ranks outnumber the
+cores}).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +65,14 @@ class System:
     ranks_share_cores: bool = False
     step_overhead: float = 0.0  # s per step (host work, logging)
     microbatch_overhead: float = 0.0  # s per micro-batch and stage (launch, Python)
+    # CPU time per transformer layer and micro-batch (forward + backward) beyond its FLOPs:
+    # the Python and dispatch cost of its ~150 operators, which a small model cannot hide
+    layer_overhead: float = 0.0
+    recompute_overhead: float = 0.0  # the same, once more for a fully recomputed layer
+    # s one blocking collective or point-to-point exchange costs when the ranks outnumber
+    # the cores they share (a peer descheduled when it is waited for), by group size ("2",
+    # "4", ...; "p2p" for a pipeline exchange); measured with 2 x cores busy ranks
+    sync_cost: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
@@ -74,6 +87,28 @@ class System:
         if not self.ranks_share_cores or not self.cores:
             return 1.0
         return min(1.0, self.cores / (world * threads_per_rank))
+
+    def call_cost(self, world: int, group: int | str) -> float:
+        """Seconds one blocking call on a group of ``group`` ranks (or "p2p") costs in a job
+        of ``world`` ranks: 0 unless the ranks outnumber the cores they share; between
+        measured group sizes, interpolated in log2 of the size."""
+        if not self.sync_cost or not self.ranks_share_cores or not self.cores \
+                or world <= self.cores:
+            return 0.0
+        scale = min(1.0, (world - self.cores) / self.cores)  # measured at 2 x cores ranks
+        if group == "p2p":
+            return scale * float(self.sync_cost.get("p2p", 0.0))
+        sizes = sorted(int(k) for k in self.sync_cost if k.isdigit())
+        if not sizes or group <= 1:
+            return 0.0
+        g = min(max(group, sizes[0]), sizes[-1])
+        lo = max(k for k in sizes if k <= g)
+        hi = min(k for k in sizes if k >= g)
+        a, b = float(self.sync_cost[str(lo)]), float(self.sync_cost[str(hi)])
+        if hi == lo:
+            return scale * a
+        f = (math.log2(g) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return scale * (a + f * (b - a))
 
     def group_link(self, stride: int, size: int) -> Link:
         """The link of a group of ``size`` ranks ``stride`` apart in global rank order: NVLink
@@ -98,6 +133,9 @@ class System:
                 "cores": self.cores, "ranks_share_cores": self.ranks_share_cores,
                 "step_overhead": self.step_overhead,
                 "microbatch_overhead": self.microbatch_overhead,
+                "layer_overhead": self.layer_overhead,
+                "recompute_overhead": self.recompute_overhead,
+                "sync_cost": dict(self.sync_cost),
                 "_sources": dict(self.sources)}
 
 
@@ -118,6 +156,9 @@ def system_from_dict(d: dict, where: str = "SYSTEM.json") -> System:
             ranks_share_cores=bool(d.get("ranks_share_cores", False)),
             step_overhead=float(d.get("step_overhead", 0.0)),
             microbatch_overhead=float(d.get("microbatch_overhead", 0.0)),
+            layer_overhead=float(d.get("layer_overhead", 0.0)),
+            recompute_overhead=float(d.get("recompute_overhead", 0.0)),
+            sync_cost={str(k): float(v) for k, v in d.get("sync_cost", {}).items()},
             sources=dict(d.get("_sources", {})))
     except KeyError as exc:
         raise PlanInputError(f"{where}: missing field {exc.args[0]!r}") from None
