@@ -178,6 +178,9 @@ def test_blocking_calls_follow_the_schedule():
     assert blocking_calls(job, Layout(2, 1, 2, 4)) == {2: 2 * (4 * 4 + 5) + 2 + 1}
     assert blocking_calls(job, Layout(2, 1, 2, 4, recompute="full"))[2] == \
         2 * (4 * 6 + 5) + 2 + 1
+    # sequence parallel: an all-gather and a reduce-scatter per GEMM pair each way, 7 at
+    # the edges (the embedding's and output layer's are split in two as well)
+    assert blocking_calls(job, Layout(2, 1, 2, 4, sp=True))[2] == 2 * (4 * 8 + 7) + 2 + 1
     # pp 4, 16 micro-batches: two paired exchanges each; ZeRO-1 over dp 4: reduce-scatter
     # and all-gather of each bucket (1.07M parameters: two of the 1M-element minimum), the
     # loss; ZeRO-3: 3 per unit (5) and micro-batch, each with its check

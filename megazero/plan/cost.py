@@ -136,11 +136,15 @@ def _layer_parts(m: ModelConfig, lay: Layout, job: Job, system: System, rt: Runt
     gemm = (gemm_time(system, peak, bs, h, qkv / t) + gemm_time(system, peak, bs, h / t, h)
             + gemm_time(system, peak, bs, h, fc1 / t) + gemm_time(system, peak, bs, f / t, h))
     attn = gemm_time(system, peak, s, d, s, count=2 * b * a / t)
-    hbm = system.hbm_bandwidth * system.efficiency.hbm
+    # a CPU rank streams memory with its share of a core, as it multiplies
+    hbm = system.hbm_bandwidth * system.efficiency.hbm * system.compute_share(job.world)
     sp_div = t if lay.sp else 1
     elem = (4 * e + 2 * (3 * e + 1)) * bs * h / sp_div  # norms, bias-dropout-add x2
     elem += (2 * e * fc1 / t + 6 * e * h / t) * bs  # bias+GELU, qkv split copies
-    core_bytes = 0.0 if rt.fused_attention else (4 * e + 1) * a * s * s * b / t
+    # on a CPU, torch's only fused attention kernel (flash) takes no dropout: with the
+    # default attention dropout the core runs unfused (scores, softmax, mask through memory)
+    fused = rt.fused_attention and not system.ranks_share_cores
+    core_bytes = 0.0 if fused else (4 * e + 1) * a * s * s * b / t
     fwd_mem = (elem + core_bytes) / hbm
     link = system.group_link(1, t)
     eff = system.efficiency.network
@@ -157,7 +161,7 @@ def _head_parts(m: ModelConfig, lay: Layout, job: Job, system: System, peak: flo
     b, s, h, t = lay.micro_batch, m.seq_length, m.hidden_size, lay.tp
     V = m.vocab_size
     logits = gemm_time(system, peak, b * s, h, V / t)
-    hbm = system.hbm_bandwidth * system.efficiency.hbm
+    hbm = system.hbm_bandwidth * system.efficiency.hbm * system.compute_share(job.world)
     loss = 3 * 4 * b * s * V / t / hbm  # fp32 softmax cross-entropy, read/write
     return {"fwd": logits + loss, "bwd": 2 * logits + loss}
 
@@ -254,7 +258,8 @@ RING_MIN_BYTES = 4 << 20  # comm.RING_MIN_BYTES: smaller ZeRO-3 units check orde
 def blocking_calls(job: Job, lay: Layout) -> dict:
     """Blocking collectives and exchanges one rank of the fullest stage issues per step, by
     group size (``"p2p"`` for pipeline exchanges): tensor parallel 4 per layer and
-    micro-batch (6 with full recompute) plus the embedding's and the vocab-parallel loss's;
+    micro-batch (8 with sequence parallelism; half again with full recompute) plus the
+    embedding's, the output layer's and the vocab-parallel loss's;
     pipeline 2 per micro-batch and chunk (1F1B's steady state pairs each send with the
     opposite receive: ``send_forward_recv_backward``, ``send_backward_recv_forward``); data
     parallel
@@ -270,7 +275,14 @@ def blocking_calls(job: Job, lay: Layout) -> dict:
     def add(group, n):
         if n and (group == "p2p" or group > 1):
             calls[group] = calls.get(group, 0) + n
-    add(lay.tp, mbs * (layers * (6 if lay.recompute == "full" else 4) + 5))
+    # per layer: two column- and two row-parallel GEMMs, each one collective forward or
+    # backward (all-reduce), with sequence parallelism one each way (all-gather and
+    # reduce-scatter); full recompute repeats the forward's
+    per_layer = 8 if lay.sp else 4
+    if lay.recompute == "full":
+        per_layer += per_layer // 2
+    edges = 7 if lay.sp else 5  # embedding, output layer, the loss's three all-reduces
+    add(lay.tp, mbs * (layers * per_layer + edges))
     if lay.pp > 1:
         add("p2p", mbs * lay.virtual * 2)
     if lay.dp > 1:
