@@ -198,3 +198,20 @@ def test_call_cost_only_where_ranks_outnumber_cores():
     assert cpu.call_cost(3, 2) == pytest.approx(0.001)  # half as oversubscribed
     assert cpu.call_cost(4, "p2p") == pytest.approx(0.003)
     assert load_system("a100-80g").call_cost(1024, 8) == 0.0
+
+
+def _dry_run_inside_a_job():
+    from megazero.plan.activations import dry_run_flags, dry_run_report
+
+    flags = dry_run_flags(64, 4, 32, 1, 1, 256, 1, "none", False, "auto", True, 4)
+    return dry_run_report(flags, world=1)["peak_bytes"]
+
+
+def test_dry_run_report_inside_a_job_with_a_process_group():
+    """A planner called from a process that already has a default process group (a training
+    job, a test worker) dry-runs in a child process, with the same result."""
+    from megazero.plan.activations import dry_run_flags, dry_run_report
+
+    inside = run_distributed(_dry_run_inside_a_job, 2)
+    flags = dry_run_flags(64, 4, 32, 1, 1, 256, 1, "none", False, "auto", True, 4)
+    assert inside[0] == inside[1] == dry_run_report(flags, world=1)["peak_bytes"] > 0

@@ -23,6 +23,8 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,9 +230,27 @@ def dry_run_flags(h, a, s, b, t, V, layers, recompute, sp, backend, dropout, ele
     return [str(f) for f in flags]
 
 
+_SUBPROCESS = """
+import json, sys
+from megazero.plan.activations import dry_run_report
+flags, world, rank = json.loads(sys.argv[1])
+sys.stdout.write("REPORT" + json.dumps(dry_run_report(flags, world, rank)) + "\\n")
+"""
+
+
 def dry_run_report(flags: list[str], world: int, rank: int = 0, providers=None) -> dict:
-    """Dry-run rank ``rank`` of ``world`` on CPU fake tensors in this process; the report
-    as a dict (``activation_bytes``, ``peak_bytes``, ``param_bytes``, ...)."""
+    """Dry-run rank ``rank`` of ``world`` on CPU fake tensors in this process (in a child
+    process where this one already has a default process group: a training job planning,
+    a test); the report as a dict (``activation_bytes``, ``peak_bytes``, ...)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        done = subprocess.run([sys.executable, "-c", _SUBPROCESS,
+                               json.dumps([list(flags), world, rank])], cwd=ROOT,
+                              capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0 or "REPORT" not in done.stdout:
+            raise RuntimeError(f"dry run {' '.join(flags)} failed: {done.stderr[-2000:]}")
+        return json.loads(done.stdout.split("REPORT", 1)[1].splitlines()[0])
     providers = providers or _providers()
     config = parse_args(flags, world_size=world)
     opts = DryRunOptions(rank=rank, world_size=world, device="cpu", check_peers=False)
