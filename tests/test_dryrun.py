@@ -180,6 +180,25 @@ def test_predicted_memory_equals_measured(flags, world):
             (key, report[key], mine["peak"])
 
 
+# sizes at which the fused CPU kernels run (LayerNorm from 262144 elements), dropout on
+KERNEL_SIZES = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 "
+                "--max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 8 "
+                "--attention-dropout 0.1 --hidden-dropout 0.1 --tensor-model-parallel-size 2")
+
+
+def test_dry_run_keeps_what_the_cpu_kernels_keep():
+    """Where a real CPU run takes the fused kernels, the dry run allocates what they do (not
+    what the reference formulas would: dropout masks and hash temporaries, eager norms)."""
+    argv = (SMALL + " " + KERNEL_SIZES).split()
+    real = run_distributed(_real_worker, 2, argv, 2, timeout=300)
+    report, _ = dry_run_cli(KERNEL_SIZES, 0, 2, device="cpu", peers=False)
+    mine = next(r for r in real if r["rank"] == 0)
+    for key, real_key in (("activation_bytes", "max_activations"),
+                          ("peak_bytes", "peak_bytes")):
+        assert abs(report[key] - mine["peak"][real_key]) <= 0.01 * mine["peak"][real_key], \
+            (key, report[key], mine["peak"])
+
+
 def _fake_run(rank, records, **ranks):
     ps = SimpleNamespace(**{f"{k}_ranks": v for k, v in ranks.items()})
     return SimpleNamespace(rank=rank, ps=ps, records=records)

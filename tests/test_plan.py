@@ -86,7 +86,9 @@ def test_model_states_equal_real_optimizer(layout, flags, bf16):
             assert predicted[kind] == r["report"][kind]
     # the fullest rank's peak, from the activation classes dry-run at this job's shape (what
     # the planner does on a CPU system) and the exact states and staging slots
-    acts = ActivationModel.load(backend="auto", dropout=False, exact=True)
+    acts = ActivationModel.for_system(load_system("cpu-local"))  # exact on a CPU system
+    assert acts.exact
+    acts.dropout = False  # as SMALL runs
     mem = rank_memory(job, layout, acts, list(range(layout.pp)))
     peak = max(r["peak"] for r in real)
     assert abs(mem.peak - peak) <= 0.10 * peak, (mem.peak, peak)  # the issue's bound
@@ -215,3 +217,15 @@ def test_dry_run_report_inside_a_job_with_a_process_group():
     inside = run_distributed(_dry_run_inside_a_job, 2)
     flags = dry_run_flags(64, 4, 32, 1, 1, 256, 1, "none", False, "auto", True, 4)
     assert inside[0] == inside[1] == dry_run_report(flags, world=1)["peak_bytes"] > 0
+
+
+def test_calibration_measures_the_cost_of_a_blocking_call():
+    """``calibrate.sync_costs``: 4 ranks on 2 cores, a pair's all-reduce, all four's and a
+    pair's exchange, each a non-negative time per call (the child processes' protocol)."""
+    from megazero.plan.calibrate import gloo_link, sync_costs
+
+    costs = sync_costs(2)
+    assert set(costs) == {"2", "4", "p2p"}, costs
+    assert all(0.0 <= v < 1.0 for v in costs.values()), costs
+    bandwidth, latency = gloo_link()
+    assert bandwidth > 0 and latency > 0

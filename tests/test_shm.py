@@ -131,44 +131,13 @@ def test_zero2_trains_identically_over_shared_memory():
     assert runs[True][-1]["history"]["lm loss"] == runs[False][-1]["history"]["lm loss"]
 
 
-def _divergent_on_ring(transport):
-    from megazero.config import OptimizerConfig
-    from megazero.data_parallel.zero3 import ZeroOrderError
-    from megazero.distributed import comm
-    from megazero.distributed.parallel_state import ParallelState
-    from megazero.engine import initialize
-
-    old = comm.RING_MIN_BYTES
-    comm.RING_MIN_BYTES = 0  # the 8x8 layers' buckets go over the ring
-    if transport == "tcp":
-        os.environ["MEGAZERO_SHM"] = "0"
-    try:
-        ps = ParallelState.build()
-        comm.communicator_of(ps.dp_group).ring_policy = "ring"
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-        engine = initialize(model, OptimizerConfig(zero_stage=3), ps)
-        x = torch.randn(2, 8)
-        try:
-            if ps.dp_rank == 1:
-                model[1](x)  # rank 1 runs the second layer alone: different gather order
-            else:
-                engine(x)
-        except ZeroOrderError as exc:
-            ring = comm.communicator_of(ps.dp_group)._rings[ps.dp_group][0]
-            return str(exc), ring.shm is not None
-        return "no error", None
-    finally:
-        comm.RING_MIN_BYTES = old
-        os.environ.pop("MEGAZERO_SHM", None)
-
-
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_zero3_divergence_on_the_ring_fails_clearly(transport):
     """The order check rides in the ring's first barrier: both ranks still name what each
     rank was doing."""
     from tests.dist_helper import run_distributed
+    from tests.test_zero import _divergent_zero3
 
-    for msg, on_shm in run_distributed(_divergent_on_ring, 2, transport, fresh=True):
+    for msg, on_shm in run_distributed(_divergent_zero3, 2, transport, fresh=True):
         assert "ZeRO-3 ranks diverged" in msg and "dp rank 0" in msg and "dp rank 1" in msg, msg
         assert on_shm == (transport == "shm")

@@ -114,25 +114,45 @@ def test_stage3_holds_only_live_layers():
         assert r["memory"]["params"] / 4 <= total / 2 + 64 * len(params)
 
 
-def _divergent_zero3():
+def _divergent_zero3(ring_transport=None):
+    """Rank 1 runs the second layer alone: ZeRO-3 gathers in different orders. With
+    ``ring_transport`` ("shm" or "tcp") the tiny buckets go over megazero's ring, whose first
+    barrier carries the order check; returns (message, whether the ring used shared memory)."""
+    import os
+
     from megazero.config import OptimizerConfig
     from megazero.data_parallel.zero3 import ZeroOrderError
+    from megazero.distributed import comm
     from megazero.distributed.parallel_state import ParallelState
     from megazero.engine import initialize
 
-    ps = ParallelState.build()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    engine = initialize(model, OptimizerConfig(zero_stage=3), ps)
-    x = torch.randn(2, 8)
+    old = comm.RING_MIN_BYTES
+    if ring_transport is not None:
+        comm.RING_MIN_BYTES = 0
+    if ring_transport == "tcp":
+        os.environ["MEGAZERO_SHM"] = "0"
     try:
-        if ps.dp_rank == 1:
-            model[1](x)  # rank 1 runs the second layer alone: different gather order
-        else:
-            engine(x)
-    except ZeroOrderError as exc:
-        return str(exc)
-    return "no error"
+        ps = ParallelState.build()
+        if ring_transport is not None:
+            comm.communicator_of(ps.dp_group).ring_policy = "ring"
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        engine = initialize(model, OptimizerConfig(zero_stage=3), ps)
+        x = torch.randn(2, 8)
+        try:
+            if ps.dp_rank == 1:
+                model[1](x)  # rank 1 runs the second layer alone: different gather order
+            else:
+                engine(x)
+        except ZeroOrderError as exc:
+            if ring_transport is None:
+                return str(exc)
+            ring = comm.communicator_of(ps.dp_group)._rings[ps.dp_group][0]
+            return str(exc), ring.shm is not None
+        return "no error" if ring_transport is None else ("no error", None)
+    finally:
+        comm.RING_MIN_BYTES = old
+        os.environ.pop("MEGAZERO_SHM", None)
 
 
 def test_zero3_divergence_fails_clearly():

@@ -291,10 +291,10 @@ def main(argv=None) -> int:
     try:
         result = run(argv)
     except (ValueError, RuntimeError) as exc:  # CheckpointError, ConfigError, bad flags
-        print(f"error: {exc}", file=sys.stderr)
+        logger.error("error: %s", exc)
         return 1
-    if result["rank"] == 0:
-        print(result["full_text"])
+    if result["rank"] == 0:  # the command's output: the text, on stdout
+        sys.stdout.write(result["full_text"] + "\n")
     return 0
 
 

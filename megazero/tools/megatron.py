@@ -19,6 +19,7 @@ vocabulary padded: ``--vocab-size`` gives the true size when its args do not rec
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from megazero.checkpoint.megatron import MegatronReader, is_megatron_checkpoint
 from megazero.checkpoint.megatron_format import megatron_scheduler
@@ -104,11 +105,12 @@ def cmd_to_megatron(a) -> int:
                     "micro_batch_size": train["micro_batch_size"],
                     "global_batch_size": train["global_batch_size"], "seed": train["seed"]},
         overwrite=a.force)
-    print(f"wrote {base} (Megatron-LM, tp={a.tp} pp={a.pp}, {a.format} names, model values "
+    sys.stdout.write(
+        f"wrote {base} (Megatron-LM, tp={a.tp} pp={a.pp}, {a.format} names, model values "
           "only); load it in Megatron-LM with --load "
           f"{a.output} --finetune (or --no-load-optim --no-load-rng to keep iteration "
           f"{reader.iteration}) and --use-checkpoint-args"
-          + (" --use-legacy-models" if a.format == "legacy" else ""))
+          + (" --use-legacy-models" if a.format == "legacy" else "") + "\n")
     return 0
 
 
