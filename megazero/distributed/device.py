@@ -20,6 +20,7 @@ import copy
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 # The default process group's backend when CUDA is present: NCCL for CUDA tensors, gloo for
 # CPU tensors (object collectives, host-side metadata).
@@ -31,11 +32,31 @@ def is_fake(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _dispatch_modes():
+    """The torch dispatch modes active on this thread (a counter of host syncs among them)."""
+    return _get_current_dispatch_mode_stack()
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened on the host: one device-to-host copy for a device tensor (an op a
+    dispatch mode sees, fake tensors included); a host tensor's read is announced to the
+    active modes that count host reads (``note_host_read``: ``dryrun.launches``)."""
+    t = t.detach().reshape(-1)
+    if t.device.type != "cpu":
+        return t.to("cpu")
+    for mode in _dispatch_modes():
+        note = getattr(mode, "note_host_read", None)
+        if note is not None:
+            note(t, "host read")
+    return t
+
+
 def host_values(t: torch.Tensor) -> list[float]:
     """The elements of ``t`` as Python floats (one copy to the host); zeros for a fake tensor."""
-    if is_fake(t):
-        return [0.0] * t.numel()
-    return [float(v) for v in t.detach().reshape(-1).tolist()]
+    host = _on_host(t)
+    if is_fake(host):
+        return [0.0] * host.numel()
+    return [float(v) for v in host.tolist()]
 
 
 def host_float(t: torch.Tensor) -> float:
@@ -47,11 +68,19 @@ def host_float(t: torch.Tensor) -> float:
 
 def host_all(t: torch.Tensor) -> bool:
     """``bool(t.all())`` read on the host; True for a fake tensor."""
-    return True if is_fake(t) else bool(t.all())
+    host = _on_host(t.all())
+    return True if is_fake(host) else bool(host.tolist()[0])
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the kernels queued on ``device`` (a real CUDA device only)."""
+    """Wait for the kernels queued on ``device`` (a real CUDA device only; announced to the
+    modes that count host syncs, fake CUDA included)."""
+    if device.type == "cpu":
+        return
+    for mode in _dispatch_modes():
+        note = getattr(mode, "note_host_sync", None)
+        if note is not None:
+            note("synchronize")
     if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
 

@@ -6,7 +6,10 @@ JSON keys (bytes are per rank, on the job's device unless prefixed ``host_``):
 ``optimizer_state_bytes``, ``activation_bytes`` (the most bytes the forward passes in flight
 hold at once), ``temporary_bytes`` (other training allocations alive at the peak),
 ``peak_bytes`` (the training iterations' peak of live tensor bytes; ``peak_breakdown``),
-``checkpoint_bytes`` (what one save writes from this rank), ``collectives`` (a list of
+``checkpoint_bytes`` (what one save writes from this rank), ``kernel_launches`` and
+``host_syncs`` (per training iteration: the last one that did not log; ``launches.py`` says
+what counts), ``device_ops`` (the same per iteration, split by phase, module and op, every
+sync with its source line), ``collectives`` (a list of
 {group, ranks, op, calls, bytes, dtype}: bytes this rank sends), ``p2p`` (the schedule's
 point-to-point pattern: {op, peer, shape, dtype, calls, bytes}), ``checks`` and ``notes``.
 
@@ -135,6 +138,26 @@ class Report(dict):
             json.dump(self, f, indent=2)
         os.replace(tmp, path)
 
+    def _device_ops_lines(self) -> list[str]:
+        """Launches and host syncs per iteration, the steady one's breakdown and syncs."""
+        ops = self["device_ops"]
+        lines = ["", "device work per training iteration (kernel launches, host syncs)"]
+        for it in ops:
+            lines.append(f"  iteration {it['iteration']}{' (logs)' if it['logged'] else '':7}"
+                         f"{it['kernel_launches']:>9,} launches {it['host_syncs']:>5} syncs  "
+                         + ", ".join(f"{k} {v:,}" for k, v in it["launches_by_phase"].items()))
+        steady = next((it for it in ops if it["iteration"] == self["counted_iteration"]), None)
+        if steady is None:
+            return lines
+        lines.append("  most launches (iteration "
+                     f"{steady['iteration']}): " + ", ".join(
+                         f"{k} {v:,}" for k, v in list(steady["launches_by_module"].items())[:8]))
+        for it in ops:
+            for s in it["syncs"]:
+                lines.append(f"  sync (iteration {it['iteration']}, {s['phase']}): "
+                             f"{s['kind']} x{s['count']} at {s['where']}")
+        return lines
+
     def table(self) -> str:
         gib = lambda b: f"{b / 2**30:10.3f} GiB"  # noqa: E731
         lay = self["layout"]
@@ -152,9 +175,10 @@ class Report(dict):
                            ("temporary_bytes", "temporaries at the peak"),
                            ("peak_bytes", "peak (training iterations)")):
             lines.append(f"  {label:<28}{gib(self[key])}")
-        for key in sorted(k for k in self if k.startswith("host_")):
+        for key in sorted(k for k in self if k.startswith("host_") and k != "host_syncs"):
             lines.append(f"  {key.replace('_', ' '):<28}{gib(self[key])}")
         lines.append(f"  {'checkpoint (one save)':<28}{gib(self['checkpoint_bytes'])}")
+        lines += self._device_ops_lines()
         lines += ["", f"collectives of the {self['iterations']} iterations and the save (bytes "
                       "this rank sends; host: object gathers on the CPU route)",
                   f"  {'group':<10}{'op':<16}{'dtype':<10}{'device':<8}{'calls':>7}"
@@ -209,6 +233,11 @@ def build_report(config, opts, run, checks: dict) -> Report:
         peak_bytes=peak["peak_bytes"], peak_breakdown=peak,
         checkpoint_bytes=sum(run.checkpoint.values()), checkpoint_files=run.checkpoint,
         memory_report=run.memory_report,
+        kernel_launches=run.device_ops["kernel_launches"],
+        host_syncs=run.device_ops["host_syncs"],
+        counted_iteration=run.device_ops["counted_iteration"],
+        logging_iteration=run.device_ops["logging_iteration"],
+        device_ops=run.device_ops["device_ops"],
         collectives=_aggregate_collectives(run), p2p=_aggregate_p2p(run), checks=checks,
         notes=["tensors are fake (shapes without memory) and groups are torch's fake process "
                "group: values read on the host (loss, grad norm) are zeros",

@@ -36,6 +36,7 @@ from megazero.config import ConfigError, MegazeroConfig
 from megazero.distributed.device import MAPPED_BACKEND
 from megazero.distributed.parallel_state import ParallelState, coords_of
 from megazero.dryrun import fake_cuda
+from megazero.dryrun.launches import DeviceOpCounter, instrument
 from megazero.dryrun.memory import STATE_CATEGORIES, MemoryTracker
 from megazero.dryrun.report import build_report, compare_p2p, compare_sequences
 from megazero.tensor_parallel.meta import meta_of
@@ -81,6 +82,7 @@ class RankRun:
     checkpoint: dict  # files written and the tensor bytes they would hold
     seconds: float
     param_count: int
+    device_ops: dict  # DeviceOpCounter.summary(): launches and host syncs per iteration
 
 
 def dry_run_config(config: MegazeroConfig, opts: DryRunOptions, save_dir: str):
@@ -115,15 +117,20 @@ def _fake_cuda_runtime(device: str):
 
 
 def measured_pretrain(cfg: MegazeroConfig, ps: ParallelState, providers,
-                      tracker: MemoryTracker) -> dict:
-    """``pretrain`` under ``tracker`` (already entered): model states tagged once built, the
-    training iterations' peak noted before the save. Runs the same on fake and on real
-    tensors (a gloo run measured the same way is what the dry run is checked against)."""
+                      tracker: MemoryTracker, counter: DeviceOpCounter | None = None) -> dict:
+    """``pretrain`` under ``tracker`` (and ``counter``, already entered): model states tagged
+    once built, the training iterations' peak noted before the save, each iteration's device
+    ops counted. Runs the same on fake and on real tensors (a gloo run measured the same way
+    is what the dry run is checked against)."""
     datasets_provider, model_provider, forward_step_func, unit_policy = providers
     seen = {}
+    if counter is not None:
+        forward_step_func = counter.forward_step(forward_step_func)
 
     def on_ready(trainer):
         seen["optimizer"] = trainer.optimizer
+        if counter is not None:
+            instrument(trainer, counter)
         trainer.optimizer.build_states()  # allocated at the first step otherwise
         tracker.tag(trainer.optimizer.state_tensors())
         tracker.training = True
@@ -159,22 +166,23 @@ def run_rank(config: MegazeroConfig, opts: DryRunOptions, rank: int, providers) 
         dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                 world_size=opts.world_size)
         tracker = MemoryTracker()
+        counter = DeviceOpCounter(opts.device, root=os.getcwd())
         try:
             with _fake_cuda_runtime(opts.device), \
-                    FakeTensorMode(allow_non_fake_inputs=True), tracker:
+                    FakeTensorMode(allow_non_fake_inputs=True), tracker, counter:
                 device = torch.device("cuda", 0) if opts.device == "cuda" \
                     else torch.device("cpu")
                 ps = ParallelState.from_config(
                     cfg.parallel, device=device,
                     comm_backend=MAPPED_BACKEND if opts.device == "cuda" else "gloo")
                 ps.comm.recording = True
-                measured = measured_pretrain(cfg, ps, providers, tracker)
+                measured = measured_pretrain(cfg, ps, providers, tracker, counter)
                 checkpoint = _checkpoint_files(save_dir)
         finally:
             dist.destroy_process_group()
     return RankRun(rank, ps, tracker, list(ps.comm.records), measured["states"],
                    measured["memory_report"], measured["train_peak"], checkpoint,
-                   time.time() - start, measured["param_count"])
+                   time.time() - start, measured["param_count"], counter.summary())
 
 
 def _checkpoint_files(root: str) -> dict:

@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megazero.config import ModelConfig
 from megazero.distributed import comm
+from megazero.distributed.device import is_fake
 from megazero.model.fused import bias_dropout_add, bias_gelu, bias_swiglu, make_norm
 from megazero.model.kv_cache import KVCache
 from megazero.model.rotary import apply_rotary
@@ -119,6 +120,8 @@ class ParallelAttention(nn.Module):
             probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)
             probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
             return (probs @ v).to(dtype)  # [b, np, s, hn]
+        if q.device.type == "cuda" and is_fake(q):
+            return _gpu_kernel_on_fake(q, k, v, keep, dropout_p, self.backend)
         kernel = _sdpa_kernels(self.backend, q.device.type)
         with sdpa_kernel(kernel) if kernel else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
@@ -161,6 +164,29 @@ class ParallelAttention(nn.Module):
             else contextlib.nullcontext()
         with fork:
             return self._core(q, k, v, keep, p)
+
+
+def _gpu_kernel_on_fake(q, k, v, keep, dropout_p: float, backend: str):
+    """The dry run on fake CUDA: the kernel ``scaled_dot_product_attention`` takes on a GPU
+    (sm_80+), called directly. A CPU build of torch has no CUDA kernels to choose from and
+    takes the math path, which keeps the ``[b, np, s, L]`` scores and probabilities a GPU
+    kernel never holds and launches a dozen ops. Flash attention for fp16/bf16 causal
+    attention without a mask and head dims of at most 256 that are multiples of 8 (``auto``
+    and ``flash``); otherwise the memory-efficient kernel (a boolean mask becomes its additive
+    bias, as torch converts it)."""
+    hn = q.shape[-1]
+    flash_ok = (q.dtype in (torch.float16, torch.bfloat16) and keep is None and hn % 8 == 0
+                and hn <= 256)
+    if backend in ("auto", "flash") and flash_ok:
+        # [b, np, s, hn] (and the log-sum-exp, RNG state for backward)
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, True)[0]
+    bias = None
+    if keep is not None:
+        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~keep, float("-inf"))  # [.., s, L]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, q.requires_grad or k.requires_grad, dropout_p, keep is None)[0]
 
 
 def _sdpa_kernels(backend: str, device_type: str):
