@@ -7,8 +7,11 @@
         --num-attention-heads 16" ...
 
 Prints one row per layout (predicted step time, tokens/s, MFU, memory per rank by kind,
-bubble fraction, communication time per group) and the ``torchrun pretrain_gpt2.py`` line
-of each; ``--json`` writes the same as JSON. Exit status 2 on bad input, with the flag named.
+bubble fraction, communication time per group), a line saying where the step times come
+from (Megatron-2021-level kernels beside megazero's measured MFU, or megazero's calibrated
+runtime factor: SYSTEM.json's ``megazero_runtime``) and the ``torchrun pretrain_gpt2.py``
+line of each; ``--json`` writes the same as JSON. Exit status 2 on bad input, with the flag
+named.
 """
 
 from __future__ import annotations
@@ -78,6 +81,23 @@ def table(result: PlanResult) -> str:
     return "\n".join(lines)
 
 
+def launch_flags(result: PlanResult) -> list[str]:
+    """Flags every launch line carries so it runs the runtime its times were calibrated on."""
+    mr = result.system.megazero_runtime
+    return mr.launch_flags() if mr is not None else []
+
+
+def runtime_json(result: PlanResult) -> dict:
+    """Where the step times come from, for ``--json``."""
+    mr = result.system.megazero_runtime
+    out = {"line": result.provenance, "calibrated": bool(mr and mr.calibrated)}
+    if mr is not None:
+        out.update(basis=mr.basis, variant=mr.variant,
+                   factor=mr.factor if mr.calibrated else None,
+                   leave_one_out_error=mr.loo_error, measured=[dict(r) for r in mr.measured])
+    return out
+
+
 def to_json(result: PlanResult) -> dict:
     job = result.job
     rows = []
@@ -95,11 +115,13 @@ def to_json(result: PlanResult) -> dict:
                                       "transient": m.transient, "peak": m.peak,
                                       "host": m.host, "stage": m.stage},
                      "command": command(c.layout, job,
-                                        gpus_per_node=result.system.gpus_per_node)})
+                                        gpus_per_node=result.system.gpus_per_node,
+                                        extra=launch_flags(result))})
     return {"system": result.system.name, "gpus": job.world,
             "global_batch_size": job.global_batch, "seq_length": job.seq,
             "usable_bytes": result.usable, "considered": result.considered,
-            "seconds": result.seconds, "layouts": rows, "notes": result.notes}
+            "seconds": result.seconds, "runtime": runtime_json(result), "layouts": rows,
+            "notes": result.notes}
 
 
 def main(argv=None) -> int:
@@ -131,12 +153,14 @@ def main(argv=None) -> int:
           f"{result.considered} layouts considered in {result.seconds:.1f} s; memory in GiB, "
           f"communication in s per step")
     say(table(result))
+    say(result.provenance)
     for note in result.notes:
         say(f"note: {note}")
     say()
     for i, c in enumerate(result.ranked, 1):
         say(f"# {i}: {c.layout.short()}")
-        say(command(c.layout, job, gpus_per_node=system.gpus_per_node))
+        say(command(c.layout, job, gpus_per_node=system.gpus_per_node,
+                    extra=launch_flags(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(to_json(result), f, indent=1)

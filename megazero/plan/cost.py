@@ -33,6 +33,13 @@ more ranks than cores, every blocking collective and pipeline exchange (``blocki
 costs ``sync_cost`` for its group size (the peer it waits for is often descheduled); and a
 pipeline's bubble shrinks, since a waiting stage leaves its core to another rank (absorbed
 entirely at twice as many ranks as cores).
+
+``Runtime.compute_scale`` stretches the device's compute (GEMMs, attention, memory-bound
+kernels, the loss, the optimizer step on the device) by megazero's measured runtime factor
+(``megazero_runtime``: SYSTEM.json's calibrated ``megazero_runtime``). Communication is not
+scaled: the factor is fitted to one-GPU steps, which issue no collectives, so nothing
+measured says megazero's are slower than modelled; the bubble and the window that hides
+data-parallel communication follow from the stretched compute.
 """
 
 from __future__ import annotations
@@ -57,9 +64,20 @@ class Runtime:
     fused_attention: bool = True  # attention core fused (no s^2 tensors through HBM)
     optimizer_bytes: int = 28  # bytes per owned element the update streams
     p2p_overlap: bool = True  # interleaved schedule: exchanges hidden behind compute
+    # device compute time / the Megatron-2021-level prediction (megazero's measured factor)
+    compute_scale: float = 1.0
 
 
 MEGAZERO = Runtime()
+
+
+def megazero_runtime(system: System) -> Runtime:
+    """megazero's runtime on ``system``: ``MEGAZERO`` with the calibrated factor of its
+    ``megazero_runtime`` when it has one (Megatron-2021-level compute otherwise)."""
+    mr = system.megazero_runtime
+    if mr is None or not mr.calibrated:
+        return MEGAZERO
+    return Runtime(name=f"megazero ({mr.variant}, measured)", compute_scale=mr.factor)
 # share of an overlapped collective that cannot hide (the first gather and the last bucket's
 # reduction have nothing to overlap with)
 OVERLAP_LOSS = 0.125
@@ -133,11 +151,13 @@ def _layer_parts(m: ModelConfig, lay: Layout, job: Job, system: System, rt: Runt
     qkv = (a + 2 * m.kv_heads) * d
     bs = b * s
     fc1 = f * (2 if m.swiglu else 1)
-    gemm = (gemm_time(system, peak, bs, h, qkv / t) + gemm_time(system, peak, bs, h / t, h)
-            + gemm_time(system, peak, bs, h, fc1 / t) + gemm_time(system, peak, bs, f / t, h))
-    attn = gemm_time(system, peak, s, d, s, count=2 * b * a / t)
-    # a CPU rank streams memory with its share of a core, as it multiplies
-    hbm = system.hbm_bandwidth * system.efficiency.hbm * system.compute_share(job.world)
+    c = rt.compute_scale
+    gemm = c * (gemm_time(system, peak, bs, h, qkv / t) + gemm_time(system, peak, bs, h / t, h)
+                + gemm_time(system, peak, bs, h, fc1 / t) + gemm_time(system, peak, bs, f / t, h))
+    attn = c * gemm_time(system, peak, s, d, s, count=2 * b * a / t)
+    # a CPU rank streams memory with its share of a core, as it multiplies (and at the
+    # runtime's measured pace)
+    hbm = system.hbm_bandwidth * system.efficiency.hbm * system.compute_share(job.world) / c
     sp_div = t if lay.sp else 1
     elem = (4 * e + 2 * (3 * e + 1)) * bs * h / sp_div  # norms, bias-dropout-add x2
     elem += (2 * e * fc1 / t + 6 * e * h / t) * bs  # bias+GELU, qkv split copies
@@ -156,12 +176,14 @@ def _layer_parts(m: ModelConfig, lay: Layout, job: Job, system: System, rt: Runt
             "tp": (4 + (2 if lay.recompute == "full" else 0)) * one}
 
 
-def _head_parts(m: ModelConfig, lay: Layout, job: Job, system: System, peak: float) -> dict:
+def _head_parts(m: ModelConfig, lay: Layout, job: Job, system: System, rt: Runtime,
+                peak: float) -> dict:
     """Seconds of the output layer and loss (last stage) for one micro-batch."""
     b, s, h, t = lay.micro_batch, m.seq_length, m.hidden_size, lay.tp
     V = m.vocab_size
-    logits = gemm_time(system, peak, b * s, h, V / t)
-    hbm = system.hbm_bandwidth * system.efficiency.hbm * system.compute_share(job.world)
+    c = rt.compute_scale
+    logits = c * gemm_time(system, peak, b * s, h, V / t)
+    hbm = system.hbm_bandwidth * system.efficiency.hbm * system.compute_share(job.world) / c
     loss = 3 * 4 * b * s * V / t / hbm  # fp32 softmax cross-entropy, read/write
     return {"fwd": logits + loss, "bwd": 2 * logits + loss}
 
@@ -174,7 +196,7 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
     mb = lay.microbatches(job.global_batch)
     layers_per_stage = m.num_layers // lay.pp
     layer = _layer_parts(m, lay, job, system, rt, peak)
-    head = _head_parts(m, lay, job, system, peak)
+    head = _head_parts(m, lay, job, system, rt, peak)
     e = job.elem_bytes
     # per micro-batch, per stage: the last stage carries the head
     stage_fwd = layers_per_stage * layer["fwd"] + head["fwd"] * (1 if lay.pp > 1 else 1)
@@ -238,8 +260,8 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
         pcie = 25e9
         out.optimizer = owned * rt.optimizer_bytes / host + owned * 2 * e / pcie
     else:
-        out.optimizer = owned * rt.optimizer_bytes / (system.hbm_bandwidth
-                                                      * system.efficiency.hbm * share)
+        out.optimizer = rt.compute_scale * owned * rt.optimizer_bytes / (
+            system.hbm_bandwidth * system.efficiency.hbm * share)
     out.overhead = system.step_overhead
     calls = blocking_calls(job, lay)
     out.sync = sum(n * system.call_cost(job.world, g) for g, n in calls.items())
@@ -248,7 +270,7 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
     out.model_flops = model_flops_per_step(m, job.global_batch)
     out.hardware_flops = model_flops_per_step(m, job.global_batch, lay.recompute)
     out.parts = {"layer": layer, "head": head, "p2p": p2p, "per_microbatch": per_mb,
-                 "calls": calls}
+                 "calls": calls, "compute_scale": rt.compute_scale}
     return out
 
 

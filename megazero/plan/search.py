@@ -10,7 +10,9 @@ recompute none, selective or full; CPU offload with ZeRO 1-2. ``fixed`` pins any
 
 A cheap lower bound of the model states drops a (tp, pp) whose parameters cannot fit
 before the exact arithmetic of ``memory.py`` runs; the survivors that fit under the usable
-memory (device memory minus ``memory.HEADROOM_*``) are ranked by ``cost.step_time``.
+memory (device memory minus ``memory.HEADROOM_*``) are ranked by ``cost.step_time``, with
+megazero's runtime on the system (``cost.megazero_runtime``: its measured factor where
+SYSTEM.json has one); ``PlanResult.provenance`` says where the times come from.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from megazero.plan.activations import ActivationModel
-from megazero.plan.cost import MEGAZERO, Runtime, StepTime, step_time
+from megazero.plan.cost import Runtime, StepTime, megazero_runtime, step_time
 from megazero.plan.layout import RECOMPUTE, Job, Layout
 from megazero.plan.memory import (
     HEADROOM_BYTES,
@@ -63,6 +65,7 @@ class PlanResult:
     seconds: float = 0.0
     usable: float = 0.0
     notes: list = field(default_factory=list)
+    provenance: str = ""  # where the step times come from (one line)
 
 
 def parse_fix(items: list[str]) -> dict:
@@ -182,11 +185,17 @@ def _states_lower_bound(job: Job, lay: Layout) -> float:
 
 
 def plan(job: Job, system: System, *, fixed: dict | None = None, top: int = 10,
-         acts: ActivationModel | None = None, runtime: Runtime = MEGAZERO,
+         acts: ActivationModel | None = None, runtime: Runtime | None = None,
          headroom_fraction: float = HEADROOM_FRACTION,
          headroom_bytes: float = HEADROOM_BYTES, max_micro_batch: int = 16) -> PlanResult:
-    """The ``top`` fastest layouts that fit, fastest first."""
+    """The ``top`` fastest layouts that fit, fastest first. ``runtime``: megazero's on
+    ``system`` unless given."""
     start = time.time()
+    if runtime is None:
+        runtime, provenance = megazero_runtime(system), system.runtime_line()
+    else:
+        provenance = (f"step times of the runtime passed in ({runtime.name}, device compute "
+                      f"x{runtime.compute_scale:g})")
     acts = acts or ActivationModel.for_system(system)
     layouts = enumerate_layouts(job, system, fixed, max_micro_batch)
     usable = usable_bytes(system.memory_bytes, headroom_fraction, headroom_bytes)
@@ -206,7 +215,7 @@ def plan(job: Job, system: System, *, fixed: dict | None = None, top: int = 10,
         if len(ranked) >= top:
             break
     result = PlanResult(job, system, ranked, len(layouts), pruned, time.time() - start,
-                        usable)
+                        usable, provenance=provenance)
     if not ranked:
         result.notes.append("no layout fits in memory: more GPUs, a smaller micro-batch or "
                             "model, or a system with more memory")

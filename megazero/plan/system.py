@@ -18,6 +18,16 @@ micro-batch), ``layer_overhead`` and ``recompute_overhead`` (CPU seconds per lay
 micro-batch beyond the FLOPs, and per fully recomputed layer) and
 ``sync_cost`` ({group size or "p2p": seconds per blocking call while the ranks outnumber the
 cores}).
+
+``megazero_runtime`` (GPU systems) says where the planner's step times for megazero come from
+(``MegazeroRuntime``): ``basis`` (what uncalibrated times assume: Megatron-LM 2021-level
+kernels, the ``efficiency`` fitted to Narayanan et al. 2021), ``measured`` (megazero's own
+measured GPU steps, each with its provenance: ``MEASURED_KEYS``), and once
+``python -m megazero.plan.calibrate --gpu-step`` has fitted them, ``factors`` ({variant:
+{"factor", "leave_one_out"}}: how many times slower megazero's device compute is than the
+Megatron-level prediction, and that fit's error on a model size it was not fitted on),
+``variant`` (the one the planner applies; ``compile`` adds ``--compile`` to its launch
+lines) and ``fit`` (the calibration's own provenance, not read by the planner).
 """
 
 from __future__ import annotations
@@ -29,6 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SYSTEMS_DIR = Path(__file__).resolve().parent / "systems"
+RUNTIME_VARIANTS = ("eager", "compile")
+RUNTIME_KEYS = ("basis", "measured", "factors", "variant", "fit")
+# what every measured megazero step carries, so a time can be traced to its run
+MEASURED_KEYS = ("device", "date", "torch", "model", "layout", "variant", "mfu",
+                 "tokens_per_s", "iter_ms", "source")
 
 
 class PlanInputError(ValueError):
@@ -49,6 +64,113 @@ class Efficiency:
     gemm_half_dim: float = 64.0  # a GEMM dimension of this size halves the efficiency term
     hbm: float = 0.7  # of HBM bandwidth for element-wise (memory-bound) kernels
     network: float = 0.75  # of link bandwidth for collectives (NCCL bus bandwidth)
+
+
+@dataclass(frozen=True)
+class MegazeroRuntime:
+    """Where megazero's step times on a system come from: ``basis`` and the ``measured``
+    steps; ``calibrated`` once ``factors[variant]`` holds a fitted factor."""
+
+    basis: str
+    measured: tuple = ()  # of dicts with MEASURED_KEYS (and any more provenance)
+    factors: dict = field(default_factory=dict)  # variant -> {"factor", "leave_one_out"}
+    variant: str | None = None  # the factor the planner applies
+    fit: dict = field(default_factory=dict)  # how the factors were fitted (provenance)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.variant is not None
+
+    @property
+    def factor(self) -> float:
+        """Device compute time of megazero / the Megatron-level prediction (1 uncalibrated)."""
+        return float(self.factors[self.variant]["factor"]) if self.calibrated else 1.0
+
+    @property
+    def loo_error(self) -> float | None:
+        """The applied factor's leave-one-out error (None: not calibrated or one size)."""
+        if not self.calibrated:
+            return None
+        return self.factors[self.variant]["leave_one_out"]["error"]
+
+    def launch_flags(self) -> list[str]:
+        """Flags the launch lines need to run the runtime the times were calibrated on."""
+        return ["--compile"] if self.variant == "compile" else []
+
+    def line(self) -> str:
+        """One line for the plan's output: where its step times come from."""
+        if not self.calibrated:
+            if not self.measured:
+                return (f"step times assume {self.basis}; megazero's own step has not been "
+                        f"measured on a GPU")
+            seen = "; ".join(f"{100 * r['mfu']:.1f}% MFU ({r['model']}, one {r['device']}, "
+                             f"{r['date']}): see {r['source']}" for r in self.measured)
+            return f"step times assume {self.basis}; megazero's own step measured {seen}"
+        used = [r for r in self.measured if r["variant"] == self.variant]
+        devices = ", ".join(sorted({r["device"] for r in used}))
+        dates = ", ".join(sorted({r["date"] for r in used}))
+        err = self.loo_error
+        score = (f"leave-one-out error {100 * err:.1f}%" if err is not None else
+                 f"no leave-one-out error: "
+                 f"{self.factors[self.variant]['leave_one_out'].get('reason', 'one size')}")
+        return (f"step times scaled by megazero's measured runtime ({devices}, {dates}, "
+                f"{self.variant}, factor {self.factor:.2f} on device compute, {score})")
+
+    def to_dict(self) -> dict:
+        out = {"basis": self.basis, "measured": [dict(r) for r in self.measured]}
+        if self.factors:
+            out["factors"] = {k: dict(v) for k, v in self.factors.items()}
+        if self.variant is not None:
+            out["variant"] = self.variant
+        if self.fit:
+            out["fit"] = dict(self.fit)
+        return out
+
+
+def runtime_from_dict(d: dict, where: str) -> MegazeroRuntime:
+    """``megazero_runtime`` of a SYSTEM.json; an unknown key or a malformed entry is named."""
+    what = f"{where}: megazero_runtime"
+    if not isinstance(d, dict):
+        raise PlanInputError(f"{what} must be an object")
+    unknown = sorted(set(d) - set(RUNTIME_KEYS))
+    if unknown:
+        raise PlanInputError(f"{what}: unknown key(s) {', '.join(unknown)} (keys: "
+                             f"{', '.join(RUNTIME_KEYS)})")
+    if not isinstance(d.get("basis"), str):
+        raise PlanInputError(f"{what}.basis: missing (what uncalibrated times assume)")
+    for key, kind, name in (("measured", list, "a list"), ("factors", dict, "an object"),
+                            ("fit", dict, "an object")):
+        if not isinstance(d.get(key, kind()), kind):
+            raise PlanInputError(f"{what}.{key} must be {name}")
+    measured = tuple(d.get("measured", []))
+    for i, row in enumerate(measured):
+        if not isinstance(row, dict):
+            raise PlanInputError(f"{what}.measured[{i}] must be an object")
+        missing = [k for k in MEASURED_KEYS if k not in row]
+        if missing:
+            raise PlanInputError(f"{what}.measured[{i}]: missing {', '.join(missing)}")
+    factors = d.get("factors", {})
+    for name, f in factors.items():
+        if name not in RUNTIME_VARIANTS or not isinstance(f, dict):
+            raise PlanInputError(f"{what}.factors: unknown variant {name!r} (variants: "
+                                 f"{', '.join(RUNTIME_VARIANTS)})")
+        if not isinstance(f.get("factor"), (int, float)) or f["factor"] <= 0:
+            raise PlanInputError(f"{what}.factors.{name}.factor must be a positive number")
+        loo = f.get("leave_one_out")
+        if not isinstance(loo, dict) or "error" not in loo or \
+                (loo["error"] is None and "reason" not in loo) or \
+                not isinstance(loo["error"], (int, float, type(None))):
+            raise PlanInputError(f"{what}.factors.{name}.leave_one_out: needs 'error' (a "
+                                 f"fraction, or null with a 'reason')")
+        if not any(r["variant"] == name for r in measured):
+            raise PlanInputError(f"{what}.factors.{name}: no measured row of that variant")
+    variant = d.get("variant")
+    if variant is not None and variant not in factors:
+        raise PlanInputError(f"{what}.variant {variant!r}: no such entry in factors "
+                             f"({', '.join(factors) or 'none'})")
+    return MegazeroRuntime(d["basis"], tuple(dict(r) for r in measured),
+                           {k: dict(v) for k, v in factors.items()},
+                           variant, dict(d.get("fit", {})))
 
 
 @dataclass(frozen=True)
@@ -73,7 +195,19 @@ class System:
     # the cores they share (a peer descheduled when it is waited for), by group size ("2",
     # "4", ...; "p2p" for a pipeline exchange); measured with 2 x cores busy ranks
     sync_cost: dict = field(default_factory=dict)
+    megazero_runtime: MegazeroRuntime | None = None  # GPU systems: see MegazeroRuntime
     sources: dict = field(default_factory=dict)
+
+    def runtime_line(self) -> str:
+        """Where this system's step times for megazero come from, in one line."""
+        if self.megazero_runtime is not None:
+            return self.megazero_runtime.line()
+        if self.ranks_share_cores:
+            return ("step times from this machine's measured costs ("
+                    f"{self.sources.get('measured', 'SYSTEM.json')})")
+        return ("step times assume Megatron-LM 2021-level kernels (this system's "
+                "efficiency); megazero's runtime was never measured on it (SYSTEM.json has "
+                "no megazero_runtime)")
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.flops:
@@ -136,11 +270,15 @@ class System:
                 "layer_overhead": self.layer_overhead,
                 "recompute_overhead": self.recompute_overhead,
                 "sync_cost": dict(self.sync_cost),
+                **({"megazero_runtime": self.megazero_runtime.to_dict()}
+                   if self.megazero_runtime is not None else {}),
                 "_sources": dict(self.sources)}
 
 
 def system_from_dict(d: dict, where: str = "SYSTEM.json") -> System:
     """A ``System`` from its JSON fields; a missing or malformed field is named."""
+    runtime = runtime_from_dict(d["megazero_runtime"], where) if "megazero_runtime" in d \
+        else None
     try:
         eff = Efficiency(**d.get("efficiency", {}))
         system = System(
@@ -159,6 +297,7 @@ def system_from_dict(d: dict, where: str = "SYSTEM.json") -> System:
             layer_overhead=float(d.get("layer_overhead", 0.0)),
             recompute_overhead=float(d.get("recompute_overhead", 0.0)),
             sync_cost={str(k): float(v) for k, v in d.get("sync_cost", {}).items()},
+            megazero_runtime=runtime,
             sources=dict(d.get("_sources", {})))
     except KeyError as exc:
         raise PlanInputError(f"{where}: missing field {exc.args[0]!r}") from None
@@ -174,18 +313,24 @@ def builtin_systems() -> list[str]:
     return sorted(p.stem for p in SYSTEMS_DIR.glob("*.json"))
 
 
-def load_system(name_or_path: str) -> System:
-    """A shipped system by name (``a100-80g``, ``h100-80g``) or a SYSTEM.json path."""
+def read_system(name_or_path: str, flag: str = "--gpu") -> tuple[Path, dict]:
+    """(path, JSON fields) of a shipped system by name or of a SYSTEM.json path; ``flag``
+    names the option in errors."""
     path = Path(name_or_path)
     if not (name_or_path.endswith(".json") or os.sep in name_or_path):
         path = SYSTEMS_DIR / f"{name_or_path}.json"
         if not path.exists():
-            raise PlanInputError(f"--gpu: unknown system {name_or_path!r}; shipped: "
+            raise PlanInputError(f"{flag}: unknown system {name_or_path!r}; shipped: "
                                  f"{', '.join(builtin_systems())}, or give a SYSTEM.json path")
     if not path.exists():
-        raise PlanInputError(f"--gpu: no such file {str(path)!r}")
+        raise PlanInputError(f"{flag}: no such file {str(path)!r}")
     try:
-        data = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise PlanInputError(f"--gpu: {path} is not valid JSON ({exc})") from None
+        raise PlanInputError(f"{flag}: {path} is not valid JSON ({exc})") from None
+
+
+def load_system(name_or_path: str) -> System:
+    """A shipped system by name (``a100-80g``, ``h100-80g``) or a SYSTEM.json path."""
+    path, data = read_system(name_or_path)
     return system_from_dict(data, str(path))
