@@ -11,6 +11,11 @@ micro-batches, with and without full recompute), and
 what one blocking collective or exchange costs while twice as many ranks as cores compete
 (``sync_cost``). The machine is one "node" whose ranks share its cores
 (``ranks_share_cores``). ``--activations`` also refits ``activations.json`` from dry runs.
+
+``--gpu-step BENCH.json --system SYSTEM.json --out NEW.json`` instead fits megazero's runtime
+on a GPU system to its measured step (``benchmarks/bench_gpu_step.py``'s JSON; ``runtime``)
+and writes the system with that ``megazero_runtime`` to ``--out``, which may not lie inside
+the megazero package.
 """
 
 from __future__ import annotations
@@ -31,10 +36,18 @@ import numpy as np
 import torch
 
 from megazero.plan.activations import calibrate
-from megazero.plan.system import SYSTEMS_DIR
+from megazero.plan.runtime import calibrate_system
+from megazero.plan.system import (
+    RUNTIME_VARIANTS,
+    SYSTEMS_DIR,
+    PlanInputError,
+    read_system,
+    system_from_dict,
+)
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent.parent
+PACKAGE = Path(__file__).resolve().parent.parent  # the installed megazero package
 
 
 def _best(fn, repeat: int = 5) -> float:
@@ -239,16 +252,70 @@ def measure(name: str = "cpu-local") -> dict:
                                   "the loop without calls"}}
 
 
+def gpu_step(bench_path: str, system: str, out: str, variant: str) -> dict:
+    """Fit ``system``'s megazero runtime to the bench JSON at ``bench_path`` and write the
+    result to ``out`` (never inside the package: a shipped system stays as shipped)."""
+    target = Path(out).resolve()
+    if target.is_relative_to(PACKAGE):
+        raise PlanInputError(f"--out {out}: inside the megazero package ({PACKAGE}); write "
+                             f"the calibrated system elsewhere and pass it to --gpu")
+    try:
+        bench = json.loads(Path(bench_path).read_text())
+    except FileNotFoundError:
+        raise PlanInputError(f"--gpu-step: no such file {bench_path!r}") from None
+    except json.JSONDecodeError as exc:
+        raise PlanInputError(f"--gpu-step: {bench_path} is not valid JSON ({exc})") from None
+    path, data = read_system(system, "--system")
+    new = calibrate_system(bench, data, variant=variant, bench_name=bench_path,
+                           system_name=str(path))
+    target.write_text(json.dumps(new, indent=1) + "\n")
+    return new
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m megazero.plan.calibrate",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(SYSTEMS_DIR / "cpu-local.json"))
-    p.add_argument("--name", default="cpu-local")
+    p.add_argument("--out", default=None,
+                   help="where to write SYSTEM.json (this machine: default "
+                        "systems/cpu-local.json; with --gpu-step: required)")
+    p.add_argument("--name", default=None, help="this machine's system name (cpu-local)")
     p.add_argument("--activations", action="store_true",
                    help="also refit activations.json from dry runs (a few minutes)")
+    p.add_argument("--gpu-step", default=None, metavar="BENCH.json",
+                   help="fit megazero's GPU runtime to bench_gpu_step.py's JSON instead of "
+                        "measuring this machine")
+    p.add_argument("--system", default=None, metavar="SYSTEM.json",
+                   help="with --gpu-step: the GPU system to calibrate (a shipped name or a "
+                        "path)")
+    p.add_argument("--variant", default=None, choices=RUNTIME_VARIANTS,
+                   help="with --gpu-step: the factor the planner applies (default eager, "
+                        "the runtime of its launch lines; compile adds --compile to them)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    data = measure(args.name)
+    if args.gpu_step is not None:
+        for flag, value in (("--name", args.name), ("--activations", args.activations)):
+            if value:
+                p.error(f"{flag} measures this machine; it does not go with --gpu-step")
+        if args.system is None or args.out is None:
+            p.error("--gpu-step needs --system (the GPU system to calibrate) and --out "
+                    "(where to write it)")
+        try:
+            new = gpu_step(args.gpu_step, args.system, args.out, args.variant or "eager")
+        except PlanInputError as exc:
+            p.error(str(exc))
+        for v, f in new["megazero_runtime"]["factors"].items():
+            loo = f["leave_one_out"]
+            score = f"{100 * loo['error']:.1f}%" if loo["error"] is not None else \
+                f"none ({loo['reason']})"
+            sys.stdout.write(f"{v}: factor {f['factor']:.3f}, leave-one-out error {score}\n")
+        sys.stdout.write(system_from_dict(new, args.out).runtime_line() + "\n")
+        sys.stdout.write(f"wrote {args.out}\n")
+        return 0
+    for flag, value in (("--system", args.system), ("--variant", args.variant)):
+        if value is not None:
+            p.error(f"{flag} goes with --gpu-step")
+    args.out = args.out or str(SYSTEMS_DIR / "cpu-local.json")
+    data = measure(args.name or "cpu-local")
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     sys.stdout.write(json.dumps(data, indent=1) + "\n")
     if args.activations:
