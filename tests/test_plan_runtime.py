@@ -138,9 +138,10 @@ def test_plan_says_where_its_times_come_from(tmp_path, capsys):
             "2027-01-02, eager, factor 4.00 on device compute, leave-one-out error 0.0%)")
     assert line in out and UNCALIBRATED not in out
     after = json.loads((tmp_path / "b.json").read_text())
-    assert after["runtime"] | {"measured": None} == after["runtime"] | {
-        "line": line, "calibrated": True, "variant": "eager", "measured": None} and \
-        after["runtime"]["factor"] == pytest.approx(4.0)
+    rt = after["runtime"]
+    assert (rt["line"], rt["calibrated"], rt["variant"]) == (line, True, "eager")
+    assert rt["factor"] == pytest.approx(4.0) and rt["leave_one_out_error"] == pytest.approx(0)
+    assert [r["model"] for r in rt["measured"]] == ["gpt2-345m", "gpt2-1.3b"]
     # the same layouts, slower: compute x4, communication as it was
     assert after["layouts"][0]["step_seconds"] > 2 * before["layouts"][0]["step_seconds"]
 
