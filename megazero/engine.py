@@ -42,6 +42,7 @@ from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, Tra
 from megazero.config.deepspeed import DeepSpeedConfigError, parse_ds_config
 from megazero.data_parallel import build_optimizer
 from megazero.distributed import comm
+from megazero.distributed.device import host_values
 from megazero.distributed.init import destroy_distributed
 from megazero.distributed.init import init_distributed as _init_distributed
 from megazero.distributed.parallel_state import ParallelState
@@ -162,7 +163,10 @@ class Engine:
         if not boundary:
             return False
         self.optimizer.finish_grad_sync()
-        ok, self.last_grad_norm, _ = self.optimizer.step()
+        ok, norm, _ = self.optimizer.step()
+        if torch.is_tensor(ok):  # kept on the device by the step: DeepSpeed's API reports it
+            ok, norm = host_values(torch.stack([ok.double(), norm.double()]))
+        self.last_grad_norm = norm
         self.global_steps += 1
         self.skipped_steps += 0 if ok else 1
         if self.lr_scheduler is not None:

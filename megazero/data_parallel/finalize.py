@@ -26,7 +26,6 @@ import torch
 from megazero.data_parallel.layout import Segment
 from megazero.data_parallel.params import all_reduce_list, counted_in_norm, tied_across_stages
 from megazero.distributed import comm
-from megazero.distributed.device import host_float
 from megazero.distributed.parallel_state import ParallelState
 from megazero.tensor_parallel.meta import meta_of
 
@@ -45,16 +44,39 @@ def finalize_model_grads(segments: list[Segment], owned: Callable[[Segment], tor
 
 
 def grad_norm_sq(segments: list[Segment], owned: Callable[[Segment], torch.Tensor],
-                 ps: ParallelState, *, sharded: bool, low_precision: bool) -> float:
-    """Sum of squares of the reduced (still scaled) gradients over the whole model."""
+                 ps: ParallelState, *, sharded: bool, low_precision: bool) -> torch.Tensor:
+    """Sum of squares of the reduced (still scaled) gradients over the whole model: a float64
+    ``[1]`` tensor on the device, read by nobody here (the step decides on it on the device)."""
     grads = [g for s in segments
              if counted_in_norm(s.param, ps) and (g := owned(s)).numel() > 0]
     local = torch.zeros(1, dtype=torch.float64, device=ps.device)
     if grads:
-        norms = torch._foreach_norm([g.float() for g in grads]) if low_precision \
+        # bf16/fp16 gradients: fp32 norms in the multi-tensor kernel, no per-tensor casts
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low_precision \
             else torch._foreach_norm(grads)
         local += torch.stack(norms).double().pow(2).sum()
     comm.all_reduce(local, ps.mp_group)
     if sharded:
         comm.all_reduce(local, ps.dp_group)
-    return host_float(local)
+    return local
+
+
+def step_scalars(sumsq: torch.Tensor, scale, dp_size: int, clip: float):
+    """The step's scalars from the global sum of squares ``sumsq`` (float64 ``[1]``, still
+    multiplied by the loss scale and summed over dp), computed where ``sumsq`` lives:
+    ``found_inf`` (bool ``[1]``: a non-finite gradient anywhere), ``grad_norm`` (float64 ``[1]``,
+    of the true gradients; NaN on overflow) and ``factor`` (float64 ``[1]``: un-scaling, dp
+    averaging and the clip coefficient ``min(1, clip / (norm + 1e-6))`` in one multiplier).
+    The same IEEE float64 operations, in the same order, as Python's arithmetic on the value
+    read to the host: the result is bit for bit what the host would compute."""
+    divisor = scale * dp_size  # a float, or a float64 [1] tensor (dynamic loss scale)
+    finite = torch.isfinite(sumsq)
+    norm = torch.where(finite, sumsq.sqrt() / divisor, float("nan"))
+    coeff = 1.0
+    if clip > 0:
+        c = torch.full_like(norm, clip) / (norm + 1e-6)  # not clip / t: that is t^-1 * clip
+        coeff = torch.where(c < 1.0, c, 1.0)
+    factor = coeff / divisor
+    if not torch.is_tensor(factor):
+        factor = torch.full_like(norm, factor)
+    return ~finite, norm, factor

@@ -10,7 +10,8 @@ uses one bucket per module so a layer can be gathered on its own; ZeRO-0 owns ev
 
 ``Segment`` is a piece of one parameter inside this rank's owned chunk: the unit the optimizer
 updates, and what checkpoints record (parameter name, flat range within the parameter).
-Nothing here communicates.
+``FlatParams`` is the parameter storage of stages 0-2 over a layout: one flat buffer the
+parameters are views of. Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -183,3 +184,43 @@ class FlatLayout:
     def partition_numel(self) -> int:
         """Elements of the owned partition including padding (sum of owned chunks)."""
         return sum(c1 - c0 for c0, c1 in map(self.owned_chunk, self.buckets))
+
+
+class FlatParams:
+    """Every parameter as a view of one flat buffer (stages 0-2): the owned chunk of a bucket
+    is updated in place by the step, then the full bucket is all-gathered."""
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device):
+        self.layout = layout
+        self.buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
+        for pr in layout.ranges.values():
+            view = self.buffer[pr.start:pr.end]
+            view.copy_(pr.param.data.reshape(-1))
+            pr.param.data = view.view(pr.param.shape)
+
+    def owned_chunk(self, bucket) -> torch.Tensor:
+        c0, c1 = self.layout.owned_chunk(bucket)
+        return self.buffer[c0:c1]
+
+    def write(self, bucket, offset: int, values: torch.Tensor) -> None:
+        """Owned chunk of ``bucket``, elements [offset, offset + numel) = ``values``."""
+        self.owned_chunk(bucket)[offset:offset + values.numel()].copy_(values,
+                                                                         non_blocking=True)
+
+    def flush(self) -> None:
+        """Writes are complete (nothing is held back here)."""
+
+    def replicated_buckets(self):
+        """Buckets whose full parameters every rank holds (all-gathered after the step)."""
+        return self.layout.buckets
+
+    def full_bucket(self, bucket) -> torch.Tensor:
+        return self.buffer[bucket.start:bucket.end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage behind every parameter (memory accounting)."""
+        return [self.buffer]

@@ -41,6 +41,7 @@ from megazero.distributed.device import host_float
 from megazero.distributed.parallel_state import ParallelState
 from megazero.ops import sign_pack
 from megazero.ops.cpu_adam import adam_step_constants, sqrt_f32
+from megazero.optim.grad_scaler import host_scale
 
 
 class CompressedAdamBase(ZeroOptimizer):
@@ -104,8 +105,8 @@ class OneBitAdamOptimizer(CompressedAdamBase):
             result = super().step()
             self._sync_reducer()
             return result
-        scale = self.scaler.scale
-        sumsq = self.grad_norm_sq()  # this rank's local gradient, over the mp group
+        scale = host_scale(self.scaler)
+        sumsq = host_float(self.grad_norm_sq())  # this rank's local gradient, over mp
         found_inf = self._overflow(sumsq, local=True)
         grad_norm = math.sqrt(sumsq) / scale if not found_inf else float("nan")
         self.scaler.update(found_inf)

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 
 import torch
 
-from megazero.data_parallel.finalize import finalize_model_grads, grad_norm_sq
+from megazero.data_parallel.finalize import finalize_model_grads, grad_norm_sq, step_scalars
 from megazero.data_parallel.grads import grad_storage
-from megazero.data_parallel.layout import FlatLayout, default_bucket_size
+from megazero.data_parallel.layout import FlatLayout, FlatParams, default_bucket_size
 from megazero.data_parallel.param_sync import ParamGather
 from megazero.data_parallel.params import (
     collect_named_params,
@@ -45,53 +44,13 @@ from megazero.data_parallel.params import (
 )
 from megazero.data_parallel.reducer import BucketReducer
 from megazero.distributed import comm
-from megazero.distributed.device import synchronize
+from megazero.distributed.device import host_values, synchronize
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim.grad_scaler import build_grad_scaler
 from megazero.optim.rules import ParamTable, SegmentView, build_rule, describe_rule
 from megazero.tensor_parallel.meta import meta_of
 
 logger = logging.getLogger(__name__)
-
-
-class FlatParams:
-    """Every parameter as a view of one flat buffer (stages 0-2): the owned chunk of a bucket
-    is updated in place by the step, then the full bucket is all-gathered."""
-
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device):
-        self.layout = layout
-        self.buffer = torch.zeros(layout.numel, dtype=dtype, device=device)
-        for pr in layout.ranges.values():
-            view = self.buffer[pr.start:pr.end]
-            view.copy_(pr.param.data.reshape(-1))
-            pr.param.data = view.view(pr.param.shape)
-
-    def owned_chunk(self, bucket) -> torch.Tensor:
-        c0, c1 = self.layout.owned_chunk(bucket)
-        return self.buffer[c0:c1]
-
-    def write(self, bucket, offset: int, values: torch.Tensor) -> None:
-        """Owned chunk of ``bucket``, elements [offset, offset + numel) = ``values``."""
-        self.owned_chunk(bucket)[offset:offset + values.numel()].copy_(values,
-                                                                         non_blocking=True)
-
-    def flush(self) -> None:
-        """Writes are complete (nothing is held back here)."""
-
-    def replicated_buckets(self):
-        """Buckets whose full parameters every rank holds (all-gathered after the step)."""
-        return self.layout.buckets
-
-    def full_bucket(self, bucket) -> torch.Tensor:
-        return self.buffer[bucket.start:bucket.end]
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The storage behind every parameter (memory accounting)."""
-        return [self.buffer]
 
 
 def bucketed_layout(named, ps: ParallelState, opt_config, shard: bool) -> FlatLayout:
@@ -127,9 +86,11 @@ class ZeroOptimizer:
         self.shard = self.stage > 0 and self.dp_size > 1
         self.overlap = opt_config.overlap_grad_reduce
         self.lr_scheduler = lr_scheduler
-        self.scaler = build_grad_scaler(opt_config)
+        self.scaler = build_grad_scaler(opt_config, device=device if device is not None
+                                        else ps.device)
         self.rule = build_rule(opt_config, ps)
         self.step_count = 0
+        self._steps = None  # [] fp32 on the device: successful steps, when counted there
         named = named_params or collect_named_params(model_chunks)
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -233,43 +194,69 @@ class ZeroOptimizer:
 
     # ---- the step --------------------------------------------------------------------------
     @property
-    def loss_scale(self) -> float:
+    def loss_scale(self):
+        """The loss multiplier: a float, or fp16's dynamic scale (a 0-dim device tensor)."""
         return self.scaler.scale
 
-    def grad_norm_sq(self) -> float:
-        """Sum of squares of the reduced (still scaled) gradients, over the whole model."""
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Sum of squares of the reduced (still scaled) gradients, over the whole model
+        (float64 ``[1]`` on the device)."""
         return grad_norm_sq(self.layout.segments, self.grads.owned, self.ps,
                             sharded=self.shard, low_precision=self.low_precision)
 
+    @property
+    def scalars_on_device(self) -> bool:
+        """Whether the step keeps its scalars (overflow, norm, clip factor, step count) on the
+        device: the update rule takes them there (Adam on a GPU), the states are not
+        offloaded. Then a step never waits for the device."""
+        takes = getattr(self.rule, "takes_device_scalars", None)
+        return not self.offload and takes is not None and takes(self.device)
+
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int]:
-        """Returns (update successful, grad norm, number of skipped steps so far delta)."""
-        divisor = self.scaler.scale * self.dp_size
-        sumsq = self.grad_norm_sq()
-        grad_norm = math.sqrt(sumsq) / divisor if math.isfinite(sumsq) else float("nan")
-        found_inf = not math.isfinite(sumsq)
+    def step(self) -> tuple:
+        """(update successful, grad norm, skipped): 0-dim device tensors when the scalars stay
+        on the device (``scalars_on_device``), else host values read once."""
+        found_inf, grad_norm, factor = step_scalars(
+            self.grad_norm_sq(), self.scaler.scale, self.dp_size, self.config.clip_grad)
         self.scaler.update(found_inf)
-        if found_inf:
-            return False, grad_norm, 1
-        clip = self.config.clip_grad
-        coeff = 1.0
-        if clip > 0:
-            c = clip / (grad_norm + 1e-6)
-            coeff = c if c < 1.0 else 1.0
         lr = self.lr_scheduler.get_lr() if self.lr_scheduler is not None else self.config.lr
+        if self.scalars_on_device:
+            if self._steps is None:
+                self._steps = torch.full((), float(self.step_count), dtype=torch.float32,
+                                         device=self.device)
+            self._steps += (~found_inf).reshape(())  # the kernel skips on found_inf
+            self._update(lr, factor, skip=found_inf)
+            if self.shard:
+                self._all_gather_params()
+            return (~found_inf).reshape(()), grad_norm.reshape(()), found_inf.reshape(())
+        inf, norm, factor = host_values(torch.cat([found_inf.double(), grad_norm, factor]))
+        if inf:
+            return False, norm, 1
         self.step_count += 1
-        self._update(lr, coeff / divisor)
+        self._update(lr, factor)
         if self.shard:
             self._all_gather_params()
-        return True, grad_norm, 0
+        return True, norm, 0
 
-    def _update(self, lr: float, grad_scale: float) -> None:
-        """The update rule over this rank's partition (fp32 main values, states, model copy)."""
+    def steps_done(self) -> int:
+        """Successful steps so far (a host read when they are counted on the device)."""
+        if self._steps is None:
+            return self.step_count
+        return int(host_values(self._steps)[0])
+
+    def _set_steps(self, steps: int) -> None:
+        self.step_count = steps
+        self._steps = None  # re-made from step_count at the next device step
+
+    def _update(self, lr: float, grad_scale, skip=None) -> None:
+        """The update rule over this rank's partition (fp32 main values, states, model copy);
+        ``grad_scale`` and ``skip`` are device tensors when the scalars stay there."""
         views = self.views
         if self.offload:
             self._grads_to_host()
-        self.rule.apply(views, step=self.step_count, lr=lr, grad_scale=grad_scale,
-                        params=self.param_table)
+        step = self._steps if skip is not None else self.step_count
+        self.rule.apply(views, step=step, lr=lr, grad_scale=grad_scale,
+                        params=self.param_table, skip=skip)
         if self.offload:
             self._params_from_host()
 
@@ -337,14 +324,14 @@ class ZeroOptimizer:
             for k in self.rule.state_names:
                 entry[k] = view.state[k].clone()
             fragments.setdefault(seg.name, []).append(entry)
-        return {"zero_stage": self.stage, "step": self.step_count,
+        return {"zero_stage": self.stage, "step": self.steps_done(),
                 "scaler": self.scaler.state_dict(), "fragments": fragments,
                 "state_names": list(self.rule.state_names)}
 
     def load_sharded_state_dict(self, state: dict, fragment_reader=None) -> None:
         """Load fragments saved by ``sharded_state_dict``, or read each segment's values
         through ``fragment_reader(name, start, end)`` (a checkpoint at any layout)."""
-        self.step_count = int(state["step"])
+        self._set_steps(int(state["step"]))
         self.scaler.load_state_dict(state["scaler"])
         frags = state.get("fragments", {})
         self.param_gather.wait_all()

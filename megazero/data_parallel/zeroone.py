@@ -39,8 +39,10 @@ import torch
 
 from megazero.data_parallel.onebit import CompressedAdamBase
 from megazero.distributed import comm
+from megazero.distributed.device import host_float
 from megazero.distributed.parallel_state import ParallelState
 from megazero.ops.cpu_adam import sqrt_f32
+from megazero.optim.grad_scaler import host_scale
 
 _COUNTERS = ("var_interval", "var_counter", "var_updates", "local_step_interval",
              "local_step_counter")
@@ -82,8 +84,8 @@ class ZeroOneAdamOptimizer(CompressedAdamBase):
         t = self.step_count + 1
         full = self._full_step(t)
         views = self.views
-        divisor = self.scaler.scale * (self.dp_size if full else 1)
-        sumsq = self.grad_norm_sq()
+        divisor = host_scale(self.scaler) * (self.dp_size if full else 1)
+        sumsq = host_float(self.grad_norm_sq())
         found_inf = self._overflow(sumsq, local=not full)
         grad_norm = math.sqrt(sumsq) / divisor if not found_inf else float("nan")
         self.scaler.update(found_inf)

@@ -319,15 +319,17 @@ class Communicator:
         return {str(dist.get_process_group_ranks(g)): d for g, (_, d) in self._rings.items()}
 
     # ---- collectives ---------------------------------------------------------------------
-    def all_reduce(self, tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
+    def all_reduce(self, tensor, group=None, op=dist.ReduceOp.SUM, async_op=False,
+                   host=False):
+        """``host``: a host-side flag on the backend's CPU route (no wait for the device)."""
         _require_online(group, "all_reduce")
         n = group_size(group)
         if n == 1:
             return None
-        self.check_device("all_reduce", tensor, group)
+        self.check_device("all_reduce", tensor, group, host)
         b = _nbytes(tensor)
         self.stats.add("all_reduce", 2 * (n - 1) / n * b, 2 * (n - 1) / n * b)
-        self._record("all_reduce", tensor, group, 2 * (n - 1) / n * b)
+        self._record("all_reduce", tensor, group, 2 * (n - 1) / n * b, host=host)
         return self._run("all_reduce", group, lambda: dist.all_reduce(
             tensor, op=op, group=group, async_op=async_op))
 
@@ -569,8 +571,9 @@ def communicator_of(group) -> Communicator:
     return _BOUND.get(group, _PLAIN)
 
 
-def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
-    return communicator_of(group).all_reduce(tensor, group, op=op, async_op=async_op)
+def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False, host=False):
+    return communicator_of(group).all_reduce(tensor, group, op=op, async_op=async_op,
+                                             host=host)
 
 
 def all_gather_into(output, input_, group=None, async_op=False, host=False, order=None):

@@ -105,17 +105,19 @@ def _tensor_lists(args) -> list[list[torch.Tensor]]:
             if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
 
 
-def _fast_path(lists: list[list[torch.Tensor]]) -> bool:
-    """Whether a foreach op takes the multi-tensor kernel: one device and dtype per list,
-    dense tensors, equal sizes across lists (else ATen loops over the tensors)."""
+def _fast_path(lists: list[list[torch.Tensor]], cross_dtype: bool) -> bool:
+    """Whether a foreach op takes the multi-tensor kernel: one device, one dtype per list (the
+    same dtype across lists unless ``cross_dtype``: ``_foreach_copy_`` converts), dense
+    tensors, equal sizes across lists (else ATen loops over the tensors)."""
     first = lists[0]
     dev, dtype = first[0].device, first[0].dtype
     for lst in lists:
         if len(lst) != len(first):
             return False
+        want = lst[0].dtype if cross_dtype else dtype
         for t, ref in zip(lst, first):
-            if t.device != dev or (lst is first and t.dtype != dtype) \
-                    or t.numel() != ref.numel() or not t.is_contiguous():
+            if t.device != dev or t.dtype != want or t.numel() != ref.numel() \
+                    or not t.is_contiguous():
                 return False
     return True
 
@@ -125,11 +127,14 @@ def device_kernels(func, args, device_type: str) -> int:
     name = str(func)
     if device_type != "cuda":
         return 1
-    if name.startswith("aten._foreach_") or name.startswith("aten._fused_adam"):
+    fused_adam = name.startswith("aten._fused_adam")
+    if name.startswith("aten._foreach_") or fused_adam:
         lists = _tensor_lists(args)
+        if fused_adam:
+            lists = lists[:-1]  # the per-tensor step counts ride as scalars, not a list
         if not lists:
             return 1
-        if not _fast_path(lists):
+        if not _fast_path(lists, cross_dtype=name.startswith("aten._foreach_copy")):
             return len(lists[0])
         scalar_list = any(isinstance(a, (list, tuple)) and a and not isinstance(
             a[0], torch.Tensor) for a in args)

@@ -1,5 +1,18 @@
-"""Adam/AdamW over many tensors with torch's multi-tensor (``torch._foreach_*``) ops: megazero's
-optimizer step on GPU tensors, where the compiled step (``fused_step``) takes CPU tensors only.
+"""Adam/AdamW over many tensors with torch's multi-tensor ops: megazero's optimizer step on GPU
+tensors, where the compiled step (``fused_step``) takes CPU tensors only.
+
+``adam_update_device_`` is the training step's path: torch's fused Adam/AdamW kernel
+(``torch._fused_adam(w)_``, what ``torch.optim.AdamW(fused=True)`` runs: one multi-tensor
+launch per 2,240 chunks of 64Ki elements) with the step's scalars as device tensors: the
+gradient's divisor (un-scaling, dp averaging and clipping in one), the overflow flag (the
+kernel leaves everything unchanged when it is set) and the step count. Nothing is read on the
+host, so a step never waits for the device. Gradients in bf16/fp16 are copied to fp32 in
+batches of ``DEVICE_BATCH_NUMEL`` elements first (the kernel takes one dtype), the updated fp32
+values copied to the model's dtype after; differences from ``adam_update_foreach_`` are
+rounding only (the kernel divides by the gradient's divisor and fuses its arithmetic).
+
+``adam_update_foreach_`` is the path without bias correction (which the fused kernel always
+applies) and the reference's twin:
 
 Before this, a GPU step ran the PyTorch reference of that kernel once per segment: about 20
 kernel launches per parameter, 12k launches per step of GPT-2 345M, and an H200 idle for half
@@ -24,6 +37,41 @@ from megazero.ops import _cpu_ext as cx
 from megazero.ops.cpu_adam import adam_step_constants, adam_update_reference_
 
 BATCH_NUMEL = 1 << 26  # 64Mi elements: 1 GiB of fp32 temporaries at most
+DEVICE_BATCH_NUMEL = 1 << 25  # 32Mi elements: 128 MiB of fp32 gradient copies at most
+
+
+def adam_update_device_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+                        weight_decay, adam_w_mode=True, grad_scale, found_inf, copies=None,
+                        batch_numel: int = DEVICE_BATCH_NUMEL) -> None:
+    """Adam/AdamW in place with torch's fused kernel, every scalar but lr on the device.
+
+    params, exp_avgs, exp_avg_sqs: fp32 [n_i]; grads [n_i] fp32/bf16/fp16; step: fp32 []
+    (the count including this step: used for bias correction); grad_scale: float64 [1], the
+    factor the gradient is multiplied by; found_inf: bool [1] (skip the update); copies: None
+    or [n_i] model-dtype tensors (None where not wanted) receiving the updated values."""
+    n = len(params)
+    wds = cx.per_tensor("weight_decay", weight_decay, n)
+    divisor = torch.reciprocal(grad_scale).float()  # [1]: the kernel divides the gradient
+    skip = found_inf.float()  # [1]
+    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    keep = [i for i in range(n) if params[i].numel()]
+    fp32 = all(grads[i].dtype == torch.float32 for i in keep)
+    for wd in sorted({wds[i] for i in keep}):
+        group = [i for i in keep if wds[i] == wd]
+        for batch in _batches([params[i].numel() for i in group], batch_numel):
+            idx = [group[j] for j in batch]
+            g = [grads[i] for i in idx]
+            if not fp32:  # one flat fp32 copy of the batch's gradients
+                flat = torch.empty(sum(t.numel() for t in g), dtype=torch.float32,
+                                   device=g[0].device)
+                g32 = list(torch.split(flat, [t.numel() for t in g]))
+                torch._foreach_copy_(g32, g)
+                g = g32
+            kernel([params[i] for i in idx], g, [exp_avgs[i] for i in idx],
+                   [exp_avg_sqs[i] for i in idx], [], [step] * len(idx), lr=lr, beta1=beta1,
+                   beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                   grad_scale=divisor, found_inf=skip)
+    _copy(copies, params)
 
 
 def _batches(sizes: list[int], limit: int) -> list[list[int]]:

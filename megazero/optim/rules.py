@@ -6,10 +6,15 @@ multiplies the gradient first (un-scaling of the loss scale, data-parallel avera
 clip coefficient in one factor), so the step reads each array once.
 
 Every rule has one interface: ``state_names`` (the fp32 states it keeps per element) and
-``apply(segments, *, step, lr, grad_scale, params)``, where ``params`` (a ``ParamTable``) gives
-the per-parameter facts a rule may need beyond its segments. The arithmetic of Adam and LAMB
-is megazero's compiled kernels' (``megazero.ops``), whose PyTorch reference runs when they are
-not built or when ``use_fused`` is off: one reference per op, in ``ops``.
+``apply(segments, *, step, lr, grad_scale, params, skip=None)``, where ``params`` (a
+``ParamTable``) gives the per-parameter facts a rule may need beyond its segments. ``step``,
+``grad_scale`` and ``skip`` (the overflow flag: leave everything unchanged) are host values,
+or device tensors when the optimizer keeps the step's scalars on the device: a rule whose
+``takes_device_scalars(device)`` is true updates without reading them (Adam on a GPU, through
+torch's fused multi-tensor kernel); the others read them once (``host_scalars``). The
+arithmetic of Adam and LAMB is megazero's compiled kernels' (``megazero.ops``), whose PyTorch
+reference runs when they are not built or when ``use_fused`` is off: one reference per op, in
+``ops``.
 
 LAMB's trust ratio uses the norms of the *whole* parameter (all tp shards and dp fragments),
 reduced over the groups passed in, so LAMB too gives the same result at any layout.
@@ -25,7 +30,7 @@ from megazero.distributed import comm
 from megazero.distributed.device import host_values
 from megazero.ops import _cpu_ext as cx
 from megazero.ops.cpu_lamb import lamb_stage1_, lamb_stage2_, lamb_trust_ratios
-from megazero.ops.foreach_adam import adam_update_foreach_
+from megazero.ops.foreach_adam import adam_update_device_, adam_update_foreach_
 from megazero.ops.fused_step import (
     fused_adam_step,
     fused_adam_step_reference,
@@ -66,8 +71,25 @@ class AdamRule:
         self.adam_w_mode, self.bias_correction = adam_w_mode, bias_correction
         self.step_fn = fused_adam_step if use_fused else fused_adam_step_reference
 
-    def apply(self, segments: list[SegmentView], *, step: int, lr: float, grad_scale: float,
-              params: ParamTable | None = None) -> None:
+    def takes_device_scalars(self, device: torch.device) -> bool:
+        """On a GPU (fake ones included: the dry run), with bias correction, megazero's step
+        keeps its scalars on the device: ``ops.foreach_adam.adam_update_device_``."""
+        return (device.type == "cuda" and self.step_fn is fused_adam_step
+                and self.bias_correction)
+
+    def apply(self, segments: list[SegmentView], *, step, lr: float, grad_scale,
+              params: ParamTable | None = None, skip=None) -> None:
+        if torch.is_tensor(step):  # the scalars stay on the device
+            adam_update_device_(
+                [s.main for s in segments], [s.grad for s in segments],
+                [s.state["exp_avg"] for s in segments], [s.state["exp_avg_sq"] for s in segments],
+                step=step, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                weight_decay=[s.weight_decay for s in segments], adam_w_mode=self.adam_w_mode,
+                grad_scale=grad_scale, found_inf=skip, copies=[s.model_out for s in segments])
+            return
+        step, grad_scale, skip = host_scalars(step, grad_scale, skip)
+        if skip:
+            return
         if self.step_fn is fused_adam_step and _on_gpu(segments):
             # the compiled step takes CPU tensors; on a GPU, one multi-tensor launch per op
             adam_update_foreach_(
@@ -84,6 +106,17 @@ class AdamRule:
                          weight_decay=s.weight_decay, adam_w_mode=self.adam_w_mode,
                          bias_correction=self.bias_correction, grad_scale=grad_scale,
                          model_param_out=s.model_out)
+
+
+def host_scalars(step, grad_scale, skip) -> tuple[int, float, bool]:
+    """The step's scalars as host values (one device-to-host copy for those on a device)."""
+    values = [step, grad_scale, bool(skip) if skip is None or isinstance(skip, bool) else skip]
+    on_device = [i for i, v in enumerate(values) if torch.is_tensor(v)]
+    if on_device:
+        read = host_values(torch.stack([values[i].reshape(()).double() for i in on_device]))
+        for i, v in zip(on_device, read):
+            values[i] = v
+    return int(values[0]), float(values[1]), bool(values[2])
 
 
 def _on_gpu(segments: list[SegmentView]) -> bool:
@@ -121,9 +154,12 @@ class TorchAdamRule:
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.adam_w_mode = adam_w_mode
 
-    def apply(self, segments, *, step, lr, grad_scale, params=None):
+    def apply(self, segments, *, step, lr, grad_scale, params=None, skip=None):
         from torch.optim.adam import adam
 
+        step, grad_scale, skip = host_scalars(step, grad_scale, skip)
+        if skip:
+            return
         groups: dict[float, list] = {}
         for s in segments:
             if s.main.numel():
@@ -149,7 +185,10 @@ class SGDRule:
     def __init__(self, momentum=0.9):
         self.momentum = momentum
 
-    def apply(self, segments, *, step, lr, grad_scale, params=None):
+    def apply(self, segments, *, step, lr, grad_scale, params=None, skip=None):
+        step, grad_scale, skip = host_scalars(step, grad_scale, skip)
+        if skip:
+            return
         for s in segments:
             g = s.grad.float() * grad_scale
             if s.weight_decay:
@@ -188,7 +227,10 @@ class LambRule:
         self.dp_group, self.tp_group = dp_group, tp_group
         self.device = torch.device(device or "cpu")  # where the norm sums are reduced
 
-    def apply(self, segments, *, step, lr, grad_scale, params: ParamTable):
+    def apply(self, segments, *, step, lr, grad_scale, params: ParamTable, skip=None):
+        step, grad_scale, skip = host_scalars(step, grad_scale, skip)
+        if skip:
+            return
         mains = [s.main for s in segments]
         ms = [s.state["exp_avg"] for s in segments]
         vs = [s.state["exp_avg_sq"] for s in segments]

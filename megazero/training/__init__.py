@@ -6,6 +6,7 @@
 - ``log``: Megatron's log line, TensorBoard scalars, memory report; ``timers``: named timers.
 """
 
-from megazero.training.pretrain import evaluate, pretrain, train_step
+from megazero.training.pretrain import pretrain
+from megazero.training.step import evaluate, train_step
 
 __all__ = ["evaluate", "pretrain", "train_step"]

@@ -117,7 +117,19 @@ class BatchIterator:
     def __next__(self):
         with host_side():  # samples are read on the host, real also in the dry run
             batch = self._next_host_batch()
-        return {k: v.to(self.ps.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return {k: to_device(v, self.ps.device) if torch.is_tensor(v) else v
+                for k, v in batch.items()}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch tensor on the rank's device without the host waiting: on a GPU from
+    page-locked memory with ``non_blocking`` (a copy from pageable memory waits for the
+    stream); the dry run's fake CUDA has no page-locked memory but makes the same call."""
+    if device.type != "cuda":
+        return t.to(device)
+    if torch.cuda.is_available():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def build_data_iterators(provider, config, ps, tokenizer, train_iters, consumed_samples):

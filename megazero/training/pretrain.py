@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +32,6 @@ from megazero.distributed.device import host_float, host_values
 from megazero.distributed.init import init_distributed
 from megazero.distributed.parallel_state import ParallelState
 from megazero.optim import build_lr_scheduler
-from megazero.pipeline_parallel.schedules import get_forward_backward_func
 from megazero.pipeline_parallel.trace import PipelineTrace
 from megazero.tensor_parallel.random import set_random_seed
 from megazero.training.data import build_data_iterators, prepare_tokenizer
@@ -48,7 +47,9 @@ from megazero.training.log import (
     training_log_line,
 )
 from megazero.training.monitor import Monitor
-from megazero.training.signals import ExitSignalHandler
+from megazero.training.signals import ExitSignalHandler, host_flag_any
+from megazero.training.state import TrainState
+from megazero.training.step import evaluate, train_step
 from megazero.training.timers import Timers
 
 
@@ -65,44 +66,6 @@ def num_train_iters(config: MegazeroConfig) -> int:
             iters += 1
         return iters
     raise ValueError("set --train-iters or --train-samples")
-
-
-@dataclass
-class TrainState:
-    """Where training is, and what the current log interval accumulated."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    skipped_iters: int = 0
-    nan_iters: int = 0
-    loss_sums: dict = field(default_factory=dict)
-    loss_iters: int = 0
-    interval_skipped: int = 0
-    interval_nan: int = 0
-    last_grad_norm: float | None = None
-    last_global_batch_size: int | None = None
-    memory_logged: bool = False
-    consecutive_skipped: int = 0
-    last_finite_loss: tuple | None = None  # (iteration, {name: value}) of the last good step
-
-    def accumulate(self, losses: dict, ok: bool, grad_norm) -> None:
-        self.last_grad_norm = grad_norm
-        got_nan = any(not math.isfinite(v) for v in losses.values())
-        if got_nan:
-            self.nan_iters += 1
-            self.interval_nan += 1
-        if not ok:
-            self.skipped_iters += 1
-            self.interval_skipped += 1
-            self.consecutive_skipped += 1
-        else:
-            self.consecutive_skipped = 0
-        if ok and not got_nan and losses:
-            self.last_finite_loss = (self.iteration, dict(losses))
-        if ok and not got_nan:
-            for k, v in losses.items():
-                self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
-            self.loss_iters += 1
 
 
 @dataclass
@@ -264,6 +227,7 @@ class Trainer:
         finally:
             if handler is not None:
                 handler.restore()
+        self.state.settle()  # the totals of iterations after the last log line
         if trace is not None:
             trace.save(tcfg.pipeline_trace)
 
@@ -285,9 +249,10 @@ class Trainer:
                 log_memory(self.optimizer, ps, self.resident_before_model)
                 state.memory_logged = True
             self.lr_scheduler.step(gbs)
-            state.accumulate(losses, ok, grad_norm)
+            # on the device: nothing is read until the log line needs it
+            state.accumulate(tuple(losses), torch.stack(list(losses.values()))
+                             if losses else None, ok, grad_norm, ps.device)
             self.monitor.iteration_end(state.iteration)
-            self.check_skipped()
             if tcfg.log_interval and state.iteration % tcfg.log_interval == 0:
                 self.log((time.time() - interval_start) / tcfg.log_interval, iters)
                 interval_start = time.time()
@@ -307,8 +272,10 @@ class Trainer:
 
     def check_skipped(self) -> None:
         """``--max-consecutive-skipped-iterations``: a run whose every step overflows (NaN or
-        diverged) stops with an error instead of skipping and saving forever. Every rank
-        agrees on skipping, so every rank stops at the same iteration."""
+        diverged) stops with an error instead of skipping and saving forever. Checked where
+        the host reads the steps' outcome (every ``--log-interval``: the skips are counted on
+        the device); every rank agrees on skipping, so every rank stops at the same
+        iteration."""
         limit, state = self.config.train.max_consecutive_skipped_iterations, self.state
         if limit and state.consecutive_skipped >= limit:
             last = state.last_finite_loss
@@ -335,10 +302,8 @@ class Trainer:
                 logger.info("exiting program at iteration %d (--exit-interval)", state.iteration)
             return True
         if tcfg.exit_duration_in_mins is not None:
-            over = torch.tensor([1.0 if (time.time() - start) / 60 > tcfg.exit_duration_in_mins
-                                 else 0.0], device=ps.device)
-            comm.all_reduce(over, ps.world_group, op=torch.distributed.ReduceOp.MAX)
-            if host_float(over) > 0:
+            # agreed on the host route: the check never waits for the device
+            if host_flag_any((time.time() - start) / 60 > tcfg.exit_duration_in_mins, ps):
                 if ps.rank == 0:
                     logger.info("exiting program after %.2f minutes (--exit-duration-in-mins)",
                                 (time.time() - start) / 60)
@@ -359,11 +324,14 @@ class Trainer:
 
     # ---- reporting -----------------------------------------------------------------------
     def log(self, elapsed: float, iters: int) -> None:
-        """The log line of the interval that just ended (last rank), TensorBoard, history."""
+        """The log line of the interval that just ended (last rank), TensorBoard, history.
+        First the interval's one read from the device, and the skipped-iterations check."""
         tcfg, ps, state = self.config.train, self.ps, self.state
+        state.settle(self.optimizer.loss_scale)
+        self.check_skipped()
         n = max(state.loss_iters, 1)
         avg = {k: v / n for k, v in state.loss_sums.items()}
-        loss_scale = self.optimizer.loss_scale
+        loss_scale = state.last_loss_scale
         if is_log_rank(ps):
             logger.info(training_log_line(
                 self.config, ps, iteration=state.iteration, iters=iters,
@@ -409,62 +377,3 @@ class Trainer:
             log_validation(prefix, totals)
         self.monitor.validation(totals, self.state.iteration)
         return totals
-
-
-def train_step(forward_step_func, data_iterator, model, optimizer, config, ps, timers,
-               trace=None, num_microbatches: int | None = None):
-    """One iteration: forward/backward over the micro-batches (``num_microbatches``, default
-    the config's), grad sync, optimizer step."""
-    fwd_bwd = get_forward_backward_func(ps.pp_size, ps.virtual_pp_size)
-    optimizer.zero_grad()
-    timers("forward-backward").start()
-    losses = fwd_bwd(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                     model=model, num_microbatches=num_microbatches or config.num_microbatches,
-                     ps=ps, loss_scale=optimizer.loss_scale, no_sync=optimizer.no_sync,
-                     tensor_shape=_tensor_shape(config, ps),
-                     dtype=config.model.torch_dtype, trace=trace,
-                     overlap_p2p_comm=config.parallel.overlap_p2p_comm)
-    timers("forward-backward").stop()
-    timers("optimizer").start()
-    optimizer.finish_grad_sync()
-    ok, grad_norm, _ = optimizer.step()
-    timers("optimizer").stop()
-    return _reduce_losses(losses, ps), ok, grad_norm
-
-
-def _tensor_shape(config, ps):
-    s = config.model.seq_length
-    if config.parallel.sequence_parallel and ps.tp_size > 1:
-        s //= ps.tp_size
-    return (s, config.train.micro_batch_size, config.model.hidden_size)
-
-
-def _reduce_losses(losses: list[dict], ps: ParallelState) -> dict:
-    """Mean over micro-batches and data-parallel ranks (on the last stage; {} elsewhere)."""
-    if not ps.is_last_stage or not losses:
-        return {}
-    keys = sorted(losses[0])
-    # [micro-batches, losses] on the device: one all-reduce, one copy to the host
-    local = torch.stack([torch.stack([torch.as_tensor(d[k], dtype=torch.float64,
-                                                      device=ps.device).reshape(())
-                                      for k in keys]) for d in losses]).mean(0)
-    comm.all_reduce(local, ps.dp_group)
-    local /= ps.dp_size
-    return dict(zip(keys, host_values(local)))
-
-
-@torch.no_grad()
-def evaluate(forward_step_func, data_iterator, model, config, ps) -> dict:
-    for chunk in model:
-        chunk.eval()
-    fwd_bwd = get_forward_backward_func(ps.pp_size, ps.virtual_pp_size)
-    totals: dict[str, float] = {}
-    for _ in range(config.train.eval_iters):
-        losses = fwd_bwd(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                         model=model, num_microbatches=config.num_microbatches, ps=ps,
-                         forward_only=True, tensor_shape=_tensor_shape(config, ps),
-                         dtype=config.model.torch_dtype,
-                         overlap_p2p_comm=config.parallel.overlap_p2p_comm)
-        for k, v in _reduce_losses(losses, ps).items():
-            totals[k] = totals.get(k, 0.0) + v / config.train.eval_iters
-    return totals

@@ -19,7 +19,7 @@ import threading
 import torch
 
 from megazero.distributed import comm
-from megazero.distributed.device import host_float
+from megazero.distributed.device import host_device_type, host_float
 from megazero.distributed.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,23 @@ class ExitSignalHandler:
                        "exiting (send it again to exit at once)", self.signame)
 
     def agreed(self, ps: ParallelState) -> bool:
-        """Whether any rank received the signal (a collective: every rank calls it)."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=ps.device)
-        comm.all_reduce(flag, ps.world_group, op=torch.distributed.ReduceOp.MAX)
-        return host_float(flag) > 0
+        """Whether any rank received the signal (a collective: every rank calls it). The flag
+        travels on the host route (gloo beside NCCL): checking never waits for the GPU."""
+        return host_flag_any(self.received, ps)
 
     def restore(self) -> None:
         if self.installed and self._previous is not None:
             signal.signal(self.signum, self._previous)
             self._previous = None
+
+
+def host_flag_any(flag: bool, ps: ParallelState) -> bool:
+    """Whether ``flag`` is set on any rank: a MAX all-reduce of a host tensor over the world
+    group's host route (its device's when the backend has none: plain NCCL)."""
+    backend = comm.communicator_of(ps.world_group).group_backend(ps.world_group)
+    host = host_device_type(backend) or ps.device.type
+    t = torch.tensor([1.0 if flag else 0.0],
+                     device="cpu" if host == "cpu" else ps.device)
+    comm.all_reduce(t, ps.world_group, op=torch.distributed.ReduceOp.MAX,
+                    host=host == "cpu")
+    return host_float(t) > 0
