@@ -102,6 +102,9 @@ def _add_model_args(parser):
     g.add("--no-rope-fusion", field="apply_rope_fusion", action="store_false")
     g.add("--no-persist-layer-norm", "--no-fused-layernorm", field="fused_layernorm",
           action="store_false")
+    g.add("--compile", action="store_true",
+          help="torch.compile each transformer layer (torchtitan's flag; the first "
+               "iteration compiles)")
 
 
 def _add_parallel_args(parser):

@@ -136,7 +136,10 @@ REFUSED = {
     "curriculum_learning": "drop it", "csv_monitor": "use tensorboard or wandb",
     "memory_breakdown": "use --log-memory", "progressive_layer_drop": "drop it",
     "quantize_training": "drop it", "hybrid_engine": "drop it", "torch_autocast": "use bf16",
-    "compile": "drop it", "wandb.team": "drop it (wandb reads WANDB_ENTITY)",
+    "compile": "use --compile (torch.compile on each transformer layer of megazero's GPT "
+               "model; DeepSpeed's block configures DeepCompile, which megazero does not "
+               "have)",
+    "wandb.team": "drop it (wandb reads WANDB_ENTITY)",
     "wandb.group": "drop it", "fp16.auto_cast": "drop it", "fp16.consecutive_hysteresis":
         "drop it (megazero's hysteresis resets after a clean step)",
 }

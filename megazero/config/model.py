@@ -1,5 +1,6 @@
 """``ModelConfig``: the transformer's shape, its architecture family (GPT-2 by default, the
-Llama family by Megatron's flags), attention kernels, recompute and fused-op switches."""
+Llama family by Megatron's flags), attention kernels, recompute, fused-op switches and
+``--compile``."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ class ModelConfig:
     fused_layernorm: bool = True  # LayerNorm and RMSNorm
     bias_swiglu_fusion: bool = True
     apply_rope_fusion: bool = True
+    # --compile: torch.compile on each transformer layer's forward (megazero.model.compile;
+    # the layers then take the plain formulas above, which inductor fuses)
+    compile: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

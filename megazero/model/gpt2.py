@@ -12,6 +12,9 @@ separate copy with the same name (so the same initial values) whose gradient the
 all-reduces over the embedding group. With RoPE, every stage computes the rotary tables from
 the position ids it is given (``[b, s]``; arange when None).
 
+With ``--compile`` each layer's forward goes through ``torch.compile``
+(``megazero.model.compile``).
+
 Parameter names do not depend on the layout (``layers.<global index>....``), so one seed gives
 the same full model for any split, and checkpoints can be reassembled at another layout.
 Inputs are ``[b, s]`` like Megatron's; inside, activations are ``[s, b, h]``.
@@ -25,6 +28,7 @@ from torch import nn
 
 from megazero.config import ModelConfig
 from megazero.distributed.parallel_state import ParallelState
+from megazero.model.compile import LayerCompile
 from megazero.model.fused import make_norm
 from megazero.model.rotary import rotary_tables
 from megazero.model.transformer import TransformerLayer
@@ -133,9 +137,13 @@ class GPTModel(nn.Module):
             update_meta(self.embedding.word_embeddings.weight,
                         tied_embedding=self.tied and ps.pp_size > 1,
                         shared_embedding=self.tied and post_process and not pre_process)
+        # --compile: how the layers are built (fused ops off) and run (megazero.model.compile)
+        self.layer_compile = LayerCompile.for_config(config)
+        layer_config = self.layer_compile.layer_config(config)
+        layer_tracker = self.layer_compile.layer_tracker(tracker, ps.tp_size)
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, ps.tp_group, tracker, sequence_parallel=sp,
-                                     device=device)
+            str(i): TransformerLayer(layer_config, ps.tp_group, layer_tracker,
+                                     sequence_parallel=sp, device=device)
             for i in self.layer_numbers})
         self.final_layernorm = None
         self.output_layer = None
@@ -149,6 +157,8 @@ class GPTModel(nn.Module):
         self.input_tensor = None
         if seed is not None:
             initialize_parameters(self, seed)
+        for layer in self.layers.values():
+            self.layer_compile.apply(layer, ps.tp_size)
 
     # ---- pipeline plumbing ---------------------------------------------------------------
     def set_input_tensor(self, tensor):

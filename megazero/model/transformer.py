@@ -148,14 +148,17 @@ class ParallelAttention(nn.Module):
         # attention_mask: [b, 1, s, s], True = masked out (Megatron convention)
         keep = None if attention_mask is None else ~attention_mask
         if self.selective_recompute and self.training and torch.is_grad_enabled():
-            # Megatron's selective recompute: keep q, k, v; recompute scores, softmax,
-            # dropout (same random draws: the tracker's states are replayed) in backward
-            ctx = checkpoint(lambda q_, k_, v_: self._dropout_core(q_, k_, v_, keep, p),
-                             q, k, v, tracker=self.tracker)
+            ctx = self._recomputed_core(q, k, v, keep, p)
         else:
             ctx = self._dropout_core(q, k, v, keep, p)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.proj(ctx)  # ([s, b, h] or [s/tp, b, h], bias)
+
+    def _recomputed_core(self, q, k, v, keep, p):
+        """Megatron's selective recompute: keep q, k, v; recompute scores, softmax, dropout
+        (same random draws: the tracker's states are replayed) in backward."""
+        return checkpoint(lambda q_, k_, v_: self._dropout_core(q_, k_, v_, keep, p),
+                          q, k, v, tracker=self.tracker)
 
     def _dropout_core(self, q, k, v, keep, p):
         """The attention core with dropout drawn from the model-parallel stream (different
@@ -258,12 +261,15 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x, attention_mask=None, kv_cache: KVCache | None = None, rotary=None):
         """``rotary``: RoPE's (cos, sin) ``[b, 1, s, rot]`` (None without RoPE)."""
-        p, training = self.hidden_dropout, self.training
         attn_out, attn_bias = self.attention(self.input_layernorm(x), attention_mask,
                                              kv_cache=kv_cache, rotary=rotary)
-        with self._dropout_region():
-            x = bias_dropout_add(attn_out, attn_bias, x, p, training, self.fused_bda)
+        x = self._residual_dropout(attn_out, attn_bias, x)
         mlp_out, mlp_bias = self.mlp(self.post_attention_layernorm(x))
-        with self._dropout_region():
-            x = bias_dropout_add(mlp_out, mlp_bias, x, p, training, self.fused_bda)
+        x = self._residual_dropout(mlp_out, mlp_bias, x)
         return x  # [s, b, h] (or [s/tp, b, h])
+
+    def _residual_dropout(self, out, bias, residual):
+        """residual + dropout(out + bias), drawn from the stream ``_dropout_region`` picks."""
+        with self._dropout_region():
+            return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training,
+                                    self.fused_bda)
