@@ -63,9 +63,8 @@ def gpu_attention(q, k, v, dropout_p: float):
 
 
 def _iteration(counter: DeviceOpCounter, index: int) -> dict:
-    """Iteration ``index`` (1-based) of the counter's summary, in this tool's row format."""
-    it = counter.summary()["device_ops"][index - 1]
-    return _row(it)
+    """Iteration ``index`` (1-based) of the counter, every op kept, in this tool's format."""
+    return _row(counter.iterations[index - 1].as_dict(top=None))
 
 
 def _row(it: dict) -> dict:
