@@ -34,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megazero.ops import cuda_fused, fused_common
+from megazero.ops import fused_common
 from megazero.ops.fused_bias_gelu import bias_gelu_reference, fused_bias_gelu
 from megazero.ops.fused_dropout import fused_bias_dropout_add
 from megazero.ops.fused_layer_norm import FusedLayerNorm, fused_layer_norm
@@ -148,9 +148,8 @@ def op_cases(args, dtype):
     if "layernorm" in args.ops:
         x, w, bias = rand(s, b, h), rand(h), rand(h)
         cases.append(("layer_norm", f"[{s},{b},{h}]", {
-            # on a GPU the CUDA kernel itself (fused_layer_norm takes ATen's there)
-            "fused": (lambda x, w, bias: cuda_fused.layer_norm(x, w, bias, 1e-5))
-            if DEVICE.type == "cuda" else lambda x, w, bias: fused_layer_norm(x, w, bias, 1e-5),
+            # on a GPU fused_layer_norm is ATen's (megazero's CUDA LayerNorm was retired)
+            "fused": lambda x, w, bias: fused_layer_norm(x, w, bias, 1e-5),
             "eager": lambda x, w, bias: F.layer_norm(x, (h,), w, bias, 1e-5),
         }, (x, w, bias), grad_like(s, b, h)))
     if "softmax" in args.ops:

@@ -9,6 +9,7 @@ extension builder passes; the torch-facing bindings (*_cuda.cc) are syntax-check
 installed torch's headers (with g++ -fsyntax-only; both run in parallel with each other).
 """
 
+import math
 import os
 import shutil
 import subprocess
@@ -19,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.ops import cuda_fused, cuda_optim
+from megazero.ops import cuda_optim
 from megazero.ops import fused_common as fc
 from megazero.ops._loader import load_extension
 from megazero.ops.cpu_adam import adam_update_reference_
 from megazero.ops.cpu_lamb import lamb_update_reference_
-from megazero.ops.fused_softmax import scaled_upper_triang_masked_softmax, softmax_eager
+from megazero.ops.fused_dropout import dropout_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -111,6 +112,100 @@ def test_cuda_bindings_compile_against_torch_headers(compile_jobs):
     assert not failures, "\n".join(failures)
 
 
+# ------------------------------------------- the kernels' scalar math, compiled for the host
+HOST_HARNESS = r"""
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#include "fused/cuda_math.cuh"
+using namespace megazero_cuda;
+int main() {  // one query per input line, one answer per output line
+  char op[16];
+  while (std::scanf("%15s", op) == 1) {
+    if (!std::strcmp(op, "drop")) {
+      unsigned long long seed, i;
+      std::scanf("%llu %llu", &seed, &i);
+      std::printf("%u\n", mix32(mix32(static_cast<uint32_t>(i) ^ dropout_key(seed, i >> 32))));
+    } else if (!std::strcmp(op, "gelu")) {
+      float x;
+      std::scanf("%a", &x);
+      std::printf("%a %a\n", gelu_fwd(x), gelu_grad(x));
+    } else if (!std::strcmp(op, "swiglu")) {
+      float g, u, d, dg, du;
+      std::scanf("%a %a %a", &g, &u, &d);
+      silu_mul_grad(g, u, d, &dg, &du);
+      std::printf("%a %a %a\n", silu_mul(g, u), dg, du);
+    } else {  // online n x...: (m, s) in one pass, and as two halves merged
+      int n;
+      std::scanf("%d", &n);
+      std::vector<float> x(n);
+      for (float& v : x) std::scanf("%a", &v);
+      MaxSum all{-INFINITY, 0.0f}, a{-INFINITY, 0.0f}, b{-INFINITY, 0.0f};
+      for (int k = 0; k < n; ++k) {
+        online_add(all, x[k]);
+        online_add(k < n / 3 ? a : b, x[k]);
+      }
+      const MaxSum m = online_merge(b, a);
+      std::printf("%a %a %a %a\n", all.m, all.s, m.m, m.s);
+    }
+  }
+  return 0;
+}
+"""
+
+
+def _host_math(tmp_path, queries: list[str]) -> list[list[str]]:
+    src = tmp_path / "host_math.cu"
+    src.write_text(HOST_HARNESS)
+    exe = tmp_path / "host_math"
+    build = subprocess.run([NVCC, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    done = subprocess.run([str(exe)], input="\n".join(queries) + "\n", capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [line.split() for line in done.stdout.splitlines()]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+def test_kernel_math_on_the_host_matches_the_references(tmp_path, gen):
+    # the dropout hash: the CPU kernels' and dropout_keep_mask's, across 2^32 boundaries
+    seeds = [0, 1, 12345, 2**62 - 1, int(torch.randint(0, 2**62, (1,), generator=gen))]
+    idx = [0, 1, 7, 2**31, 2**32 - 2, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**32 + 11]
+    xs = torch.linspace(-9, 9, 181, dtype=torch.float32).tolist() + [0.0, -0.0]
+    gud = (3 * torch.randn(40, 3, generator=gen)).tolist()
+    rows = [torch.randn(n, generator=gen) * 20 for n in (1, 2, 5, 33, 100)]
+    rows.append(torch.tensor([float("-inf"), 1.0, float("-inf"), -3.0]))
+    queries = ([f"drop {s} {i}" for s in seeds for i in idx]
+               + [f"gelu {x.hex()}" for x in xs]
+               + ["swiglu " + " ".join(float(v).hex() for v in t) for t in gud]
+               + [f"online {len(r)} " + " ".join(float(v).hex() for v in r.tolist())
+                  for r in rows])
+    out = iter(_host_math(tmp_path, queries))
+    for s in seeds:
+        for i in idx:
+            assert int(next(out)[0]) == int(dropout_hash(s, 1, offset=i)[0]), (s, i)
+    x = torch.tensor(xs, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.functional.gelu(x, approximate="tanh")
+    (dref,) = torch.autograd.grad(ref.sum(), x)
+    got = torch.tensor([[float.fromhex(v) for v in next(out)] for _ in xs], dtype=torch.float64)
+    torch.testing.assert_close(got[:, 0], ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[:, 1], dref, rtol=1e-5, atol=1e-6)
+    for g, u, d in gud:
+        t = torch.tensor([g, u], dtype=torch.float64, requires_grad=True)
+        y = torch.nn.functional.silu(t[0]) * t[1]
+        dg, du = torch.autograd.grad(y * d, t)[0]
+        got = [float.fromhex(v) for v in next(out)]
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                                   torch.stack([y.detach(), dg, du]), rtol=1e-5, atol=1e-5)
+    for r in rows:
+        m, s, m2, s2 = (float.fromhex(v) for v in next(out))
+        lse = torch.logsumexp(r.double(), 0).item()
+        assert m == m2 == r.max().item()
+        assert abs(m + math.log(s) - lse) < 1e-5 * max(1.0, abs(lse))
+        assert abs(m2 + math.log(s2) - lse) < 1e-5 * max(1.0, abs(lse))
+
+
 # ------------------------------------------------------------- multi-tensor reference path
 def _params(gen, shapes, dtype=torch.float32, device="cpu"):
     return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
@@ -163,7 +258,7 @@ needs_gpu_optim = pytest.mark.skipif(
     reason="needs a GPU and megazero.ops._multi_tensor_cuda")
 
 
-def _gpu_check(actual, expected, dtype, what, scale=1.0):
+def gpu_check(actual, expected, dtype, what, scale=1.0):
     """Within dtype's tolerance, absolute part scaled by the larger of ``scale`` and |expected|."""
     tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
     assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
@@ -172,48 +267,6 @@ def _gpu_check(actual, expected, dtype, what, scale=1.0):
     scale = max(scale, expected.float().abs().max().item())
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol * scale,
                                msg=lambda m: f"{what}: {m}")
-
-
-@needs_gpu_fused
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 1), (5, 17), (3, 7, 768), (300, 1031), (2, 8192)])
-def test_cuda_layer_norm(gen, dtype, shape):
-    h = shape[-1]
-    x = torch.randn(shape, generator=gen).cuda().to(dtype).requires_grad_()
-    w = (1 + torch.randn(h, generator=gen)).cuda().requires_grad_()  # fp32 params
-    b = torch.randn(h, generator=gen).cuda().requires_grad_()
-    dy = torch.randn(shape, generator=gen).cuda().to(dtype)
-    assert cuda_fused.layer_norm_available(x, w, b)
-    y = cuda_fused.layer_norm(x, w, b, 1e-5)  # the kernel (fused_layer_norm takes ATen's)
-    dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
-    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
-    ref = torch.nn.functional.layer_norm(xr, (h,), wr, br, 1e-5)
-    rdx, rdw, rdb = torch.autograd.grad(ref, (xr, wr, br), dy.float())
-    _gpu_check(y, ref, dtype, "y")
-    # dx = rstd * (dy w - mean(dy w) - xhat mean(dy w xhat)): the terms cancel, so its rounding
-    # error is relative to |dy w| * rstd, not to |dx| (at h = 1, dx is 0 and rstd is 1/sqrt(eps))
-    rstd = torch.rsqrt(xr.detach().var(-1, unbiased=False) + 1e-5)
-    cancel = ((dy.float() * wr.detach()).abs().amax(-1) * rstd).max().item()
-    _gpu_check(dx, rdx, dtype, "dx", scale=cancel)
-    _gpu_check(dw, rdw, dtype if dtype == torch.float32 else torch.bfloat16, "dw")
-    _gpu_check(db, rdb, dtype if dtype == torch.float32 else torch.bfloat16, "db")
-
-
-@needs_gpu_fused
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("sq", [1, 31, 33, 100, 1024, 1025, 2000])
-def test_cuda_causal_softmax(gen, dtype, sq):
-    s = (4 * torch.randn(3, sq, sq, generator=gen)).cuda().to(dtype).requires_grad_()
-    dy = torch.randn(3, sq, sq, generator=gen).cuda().to(dtype)
-    y = scaled_upper_triang_masked_softmax(s, 0.125)
-    (dx,) = torch.autograd.grad(y, s, dy)
-    sr = s.detach().float().requires_grad_()
-    ref = softmax_eager(sr, 0.125)
-    (rdx,) = torch.autograd.grad(ref, sr, dy.float())
-    _gpu_check(y, ref, dtype, "probs")
-    _gpu_check(dx, rdx, dtype, "dscores")
-    upper = torch.ones(sq, sq, dtype=torch.bool, device="cuda").triu(1).expand(3, sq, sq)
-    assert torch.count_nonzero(y[upper]) == 0
 
 
 @needs_gpu_optim
@@ -236,7 +289,7 @@ def test_cuda_multi_tensor_adam_and_lamb_match_reference(gen, dtype):
             ref_op(*clones, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8 if "adam_w_mode" in kw
                    else 1e-6, weight_decay=0.01, step=step, grad_scale=0.5, **kw)
         for a, b in zip(params, clones[0]):
-            _gpu_check(a, b, dtype, op.__name__)
+            gpu_check(a, b, dtype, op.__name__)
 
 
 @needs_gpu_optim
@@ -299,5 +352,8 @@ def test_report_lists_the_cuda_ops():
     out = subprocess.run([sys.executable, "-m", "megazero.ops"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    for name in ("cuda_layer_norm", "cuda_causal_softmax", "cuda_fused_adam", "bias_gelu"):
+    for name in ("cuda_bias_gelu", "cuda_bias_dropout_add", "cuda_bias_swiglu", "cuda_rope",
+                 "cuda_vocab_cross_entropy", "cuda_causal_softmax", "cuda_fused_adam",
+                 "bias_gelu"):
         assert name in out.stdout
+    assert "cuda_layer_norm" not in out.stdout  # retired: ATen's is faster

@@ -1,95 +1,123 @@
-"""CUDA faces of the LayerNorm and causal-softmax kernels (``megazero.ops._fused_cuda``).
+"""megazero's CUDA kernels as torch custom ops: the routing rule, lazy registration, and the
+causal softmax (``megazero.ops._fused_cuda``, built from ``csrc/fused/*.cu`` + ``fused_cuda.cc``
+by setup.py where the build has a CUDA torch and a GPU or ``TORCH_CUDA_ARCH_LIST``).
 
-Built from ``csrc/fused/*.cu`` + ``fused_cuda.cc`` by setup.py only when the build
-environment has a CUDA torch and a GPU (or ``TORCH_CUDA_ARCH_LIST``). ``fused_layer_norm``
-and ``scaled_upper_triang_masked_softmax`` route CUDA tensors here when
-:func:`layer_norm_available` / :func:`softmax_available` say so, else to eager PyTorch.
-x may be fp32, bf16 or fp16; LayerNorm weight/bias fp32 or x's dtype; statistics in fp32.
+Every fused op of the transformer layer has a CUDA face (``cuda_elementwise``: bias-GELU,
+bias-dropout-add, bias-SwiGLU and the bias gradients' column sum; ``cuda_rope_norm``: RoPE,
+RMSNorm; ``cuda_cross_entropy``: the vocab-parallel cross entropy; here: the causal softmax).
+Each is a ``torch.library`` custom op in the ``megazero`` namespace with a fake implementation
+that allocates what the CUDA one allocates, and an autograd formula that calls the backward op.
+So one chain is one dispatched op: one kernel on a GPU, one launch in the dry run's counter
+(``megazero.dryrun.launches``), and an opaque node for ``torch.compile`` (no graph break).
+
+Routing (:func:`cuda_route`): a CUDA tensor goes to the custom ops when the extension is built,
+and when it is a fake tensor (``FakeTensorMode``: the dry run counts what a GPU host, where
+``pip install -e .`` builds the kernels, would launch); otherwise the op's face runs its eager
+PyTorch formula, as before. Ops are registered with torch on first use (:func:`defined`), never
+at import; :func:`register_cuda_ops` registers them all, for callers that compile before the
+first eager call (under ``torch.compile`` nothing is registered, and an op not yet registered
+is traced as its eager formula).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from torch.autograd.function import once_differentiable
+from torch._subclasses.fake_tensor import FakeTensor
 
 from megazero.ops import fused_common as fc
 from megazero.ops.registry import register_op
 
-_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NAMESPACE = "megazero"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _ok(*tensors) -> bool:
-    return all(t is None or (t.is_cuda and t.dtype in _CUDA_DTYPES) for t in tensors)
-
-
-def layer_norm_available(x, weight, bias) -> bool:
-    """True when the CUDA LayerNorm kernel can take these tensors."""
-    if x.dim() == 0 or x.numel() == 0 or not _ok(x, weight, bias):
+def cuda_route(*tensors, needs_kernels: bool = True) -> bool:
+    """Whether these tensors (None entries skipped) go to megazero's CUDA custom ops: all on
+    CUDA in a dtype the kernels take, and either fake (the dry run) or the extension built
+    (not asked with ``needs_kernels=False``: an op over ATen's kernels)."""
+    first = None
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cuda" or t.dtype not in DTYPES:
+            return False
+        first = t if first is None else first
+    if first is None:
         return False
-    if weight is None and bias is not None:
-        return False
-    if any(p is not None and p.shape != x.shape[-1:] for p in (weight, bias)):
-        return False
-    if weight is not None and bias is not None and weight.dtype != bias.dtype:
-        return False
-    return fc.cuda_extension() is not None
+    return not needs_kernels or isinstance(first, FakeTensor) or fc.cuda_extension() is not None
 
 
-class _LayerNormCUDA(torch.autograd.Function):
-    """Forward: y = (x - mean) * rstd * w + b (mean, rstd fp32 saved). Backward: dx, dw, db."""
+def kernels():
+    """The compiled module, for the custom ops' CUDA implementations."""
+    ext = fc.cuda_extension()
+    if ext is None:
+        raise RuntimeError("megazero's CUDA kernels are not built (megazero.ops._fused_cuda); "
+                           "`python -m megazero.ops` says why")
+    return ext
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        x = x.contiguous()  # [rows, h] as far as the kernel is concerned
-        y, mean, rstd = fc.cuda_extension().layer_norm_fwd(x, weight, bias, float(eps))
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.has_bias = bias is not None
+
+def defined(probe: str, define) -> bool:
+    """Whether the ops that ``define`` registers (``probe`` among them) exist, registering them
+    first outside ``torch.compile`` (``define`` is cached: it runs once per process)."""
+    if torch.compiler.is_compiling():
+        return hasattr(torch.ops.megazero, probe)
+    define()
+    return True
+
+
+def op_name(name: str) -> str:
+    return f"{NAMESPACE}::{name}"
+
+
+# ----------------------------------------------------------------------------- causal softmax
+@functools.cache
+def define_ops() -> None:
+    """Register megazero::causal_softmax and its backward."""
+
+    @torch.library.custom_op(op_name("causal_softmax"), mutates_args=(), device_types="cuda")
+    def causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
+        y = torch.empty_like(scores)
+        kernels().softmax_fwd(scores, scale, y)
         return y
 
-    @staticmethod
-    @once_differentiable
+    @causal_softmax.register_fake
+    def _(scores, scale):
+        return torch.empty_like(scores)
+
+    @torch.library.custom_op(op_name("causal_softmax_backward"), mutates_args=(),
+                             device_types="cuda")
+    def causal_softmax_backward(dy: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        dx = torch.empty_like(y)
+        kernels().softmax_bwd(dy, y, scale, dx)
+        return dx
+
+    @causal_softmax_backward.register_fake
+    def _(dy, y, scale):
+        return torch.empty_like(y)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.scale = inputs[1]
+
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = fc.cuda_extension().layer_norm_bwd(dy.contiguous(), x, mean, rstd, weight)
-        if weight is None:
-            dw = db = None
-        return dx, dw, db if ctx.has_bias else None, None
+        (y,) = ctx.saved_tensors
+        return torch.ops.megazero.causal_softmax_backward(dy.contiguous(), y, ctx.scale), None
 
-
-def layer_norm(x, weight, bias, eps: float = 1e-5) -> torch.Tensor:
-    """CUDA LayerNorm over the last dim (call after :func:`layer_norm_available`)."""
-    contig = lambda p: None if p is None else p.contiguous()
-    return _LayerNormCUDA.apply(x, contig(weight), contig(bias), eps)
+    causal_softmax.register_autograd(backward, setup_context=setup)
 
 
 def softmax_available(scores) -> bool:
-    """True when the CUDA causal-softmax kernel can take ``scores`` [..., sq, sq]."""
-    return scores.numel() > 0 and _ok(scores) and fc.cuda_extension() is not None
-
-
-class _CausalSoftmaxCUDA(torch.autograd.Function):
-    """Forward: y = causal softmax(scale * x). Backward: dx = scale * y * (dy - sum dy*y)."""
-
-    @staticmethod
-    def forward(ctx, scores, scale):
-        y = fc.cuda_extension().softmax_fwd(scores.contiguous(), float(scale))
-        ctx.save_for_backward(y)
-        ctx.scale = float(scale)
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return fc.cuda_extension().softmax_bwd(dy.contiguous(), y, ctx.scale), None
+    """True when the causal-softmax op takes ``scores`` [..., sq, sk] (CUDA, built or fake)."""
+    return scores.numel() > 0 and cuda_route(scores) and defined("causal_softmax", define_ops)
 
 
 def scaled_upper_triang_masked_softmax(scores, scale: float) -> torch.Tensor:
-    """CUDA causal softmax (call after :func:`softmax_available`)."""
-    return _CausalSoftmaxCUDA.apply(scores, float(scale))
+    """Causal softmax(scale * scores), one kernel each way (after :func:`softmax_available`).
+    Forward: y, saved. Backward: dx = scale * y * (dy - sum(dy * y))."""
+    return torch.ops.megazero.causal_softmax(scores.contiguous(), float(scale))
 
 
-register_op("cuda_layer_norm", fc.CUDA_EXTENSION, "LayerNorm fwd/bwd (CUDA)",
-            simd_level_fn=lambda: "cuda")
 register_op("cuda_causal_softmax", fc.CUDA_EXTENSION,
             "scaled upper-triangular masked softmax fwd/bwd (CUDA)", simd_level_fn=lambda: "cuda")

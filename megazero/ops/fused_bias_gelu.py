@@ -6,9 +6,11 @@
 Forward: one pass over ``x`` [..., h] (bias [h]) writes the output; only ``x`` and ``bias`` are
 saved. Backward: one pass recomputes GELU's derivative from ``x + bias``, writes ``dx`` and sums
 ``dbias`` over rows (per-thread fp32 partials). fp32 and bf16 (fp32 arithmetic inside).
-Elsewhere (CUDA tensors, other dtypes, extension missing, fewer than ``MIN_NUMEL`` elements,
-where eager is faster) it runs ``F.gelu(x + bias, approximate="tanh")``, the same function in
-eager PyTorch.
+CUDA tensors take megazero's CUDA op (``cuda_elementwise.bias_gelu``: one kernel forward; the
+backward one kernel, plus the bias gradient's column sum) where the CUDA kernels are built or the
+tensors are fake (the dry run). Elsewhere (CUDA without the kernels, other dtypes, extension
+missing, fewer than ``MIN_NUMEL`` elements, where eager is faster) it runs
+``F.gelu(x + bias, approximate="tanh")``, the same function in eager PyTorch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megazero.ops import cuda_elementwise
 from megazero.ops import fused_common as fc
 from megazero.ops.registry import register_op
 
@@ -68,6 +71,8 @@ def _fusable(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def fused_bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """gelu_tanh(x + bias) for x [..., h] and bias [h] (or None); autograd-aware."""
+    if x.is_cuda and cuda_elementwise.takes_bias_gelu(x, bias):
+        return cuda_elementwise.bias_gelu(x, bias)
     ext = fc.cpu_extension_for(x, bias) if _fusable(x, bias) else None
     if ext is not None:
         return _FusedBiasGelu.apply(x, None if bias is None else bias.contiguous(), ext)

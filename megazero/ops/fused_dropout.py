@@ -13,8 +13,11 @@ mask tensor (eager dropout keeps a full-size one).
 Forward is one pass over x, bias, residual; backward one pass writing ``dx`` and summing
 ``dbias``; ``dresidual`` is ``dy`` itself. With ``training=False`` or ``p == 0`` the result is
 ``residual + (x + bias)`` (exact in fp32; bf16 rounds once instead of twice). CPU fp32/bf16 use
-the kernel; other CPU cases run :func:`bias_dropout_add_reference` (same masks); CUDA tensors
-use eager PyTorch with ``F.dropout`` (masks from the CUDA generator, which the tracker forks).
+the kernel; other CPU cases run :func:`bias_dropout_add_reference` (same masks). CUDA tensors
+take megazero's CUDA op (``cuda_elementwise.bias_dropout_add``: the same hash, so the same mask
+for the same seed; the seed is drawn from the CUDA generator's host-side state, which the
+tracker forks) where the CUDA kernels are built or the tensors are fake (the dry run), else
+eager PyTorch with ``F.dropout`` (masks from the CUDA generator).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.autograd.function import once_differentiable
 
+from megazero.ops import cuda_elementwise
 from megazero.ops import fused_common as fc
 from megazero.ops.registry import register_op
 
@@ -140,6 +144,10 @@ def fused_bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual:
                            p: float, training: bool) -> torch.Tensor:
     """residual + dropout(x + bias, p) for x, residual [s, b, h] and bias [h] (or None)."""
     if x.is_cuda:
+        if cuda_elementwise.takes_bias_dropout_add(x, bias, residual):
+            enabled = bool(training) and p > 0.0
+            threshold, scale = dropout_params(p) if enabled else (0, 1.0)
+            return cuda_elementwise.bias_dropout_add(x, bias, residual, threshold, scale, enabled)
         y = x if bias is None else x + bias
         return residual + F.dropout(y, p=p, training=training)
     ext = fc.cpu_extension_for(x, bias, residual) if _fusable(x, bias, residual) \

@@ -5,9 +5,10 @@ statistics: forward writes y and keeps the per-row mean and 1/std (fp32); backwa
 dx, dweight and dbias from them in one sweep per row (dweight/dbias as per-thread fp32
 partials). x may be fp32 or bf16 and weight/bias fp32 or x's dtype independently (Megatron's
 MixedFusedLayerNorm); y and dx take x's dtype, dweight/dbias the parameters'. Elsewhere, on a
-GPU (unless ``CUDA_KERNEL_BY_DEFAULT``: ATen's is faster there) and below ``MIN_NUMEL``
-elements (where ATen's own fused LayerNorm is as fast or faster), it runs ``F.layer_norm``
-(parameters cast to x's dtype). :class:`FusedLayerNorm` is the module.
+GPU (ATen's LayerNorm: one kernel forward, two backward; megazero's CUDA LayerNorm measured
+0.54-0.64x its speed on an H200 and was retired) and below ``MIN_NUMEL`` elements (where
+ATen's own fused LayerNorm is as fast or faster), it runs ``F.layer_norm`` (parameters cast to
+x's dtype). :class:`FusedLayerNorm` is the module.
 """
 
 from __future__ import annotations
@@ -18,15 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megazero.ops import cuda_fused
 from megazero.ops import fused_common as fc
 from megazero.ops.registry import register_op
 
 MIN_NUMEL = 262144  # below this F.layer_norm is as fast or faster (benchmarks/RESULTS.md)
-# On a GPU, ATen's LayerNorm measured 1.6-1.8x faster than megazero's CUDA kernel (H200, GPT-2
-# shapes, fp32 and bf16, forward and backward: benchmarks/RESULTS.md, "First run on a GPU"), so
-# fused_layer_norm takes F.layer_norm there; cuda_fused.layer_norm stays callable and tested.
-CUDA_KERNEL_BY_DEFAULT = False
 
 
 def layer_norm_reference(x, weight, bias, eps: float = 1e-5) -> torch.Tensor:
@@ -94,10 +90,7 @@ def _fusable_cpu(x, weight, bias) -> bool:
 def fused_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                      eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm of x [..., h] over h with weight/bias [h] (or None); autograd-aware."""
-    if x.is_cuda:
-        if CUDA_KERNEL_BY_DEFAULT and cuda_fused.layer_norm_available(x, weight, bias):
-            return cuda_fused.layer_norm(x, weight, bias, eps)
-    elif _fusable_cpu(x, weight, bias) and \
+    if not x.is_cuda and _fusable_cpu(x, weight, bias) and \
             (ext := fc.cpu_extension_for(x, weight, bias)) is not None:
         return _FusedLayerNormCPU.apply(
             x, None if weight is None else weight.contiguous(),

@@ -7,9 +7,11 @@ multiplies (Megatron's and HF Llama's order).
 
 Kernel (``megazero.ops._fused``, fp32 and bf16 with fp32 arithmetic inside): forward writes y
 and keeps the per-row 1/rms (fp32); backward computes dx from it in two sweeps per row and
-dweight summed over rows as per-thread fp32 partials. Elsewhere (CUDA tensors, other dtypes, a
-weight of another dtype than x's (the reference then promotes), extension missing, fewer than
-``MIN_NUMEL`` elements, where eager is as fast) :func:`rms_norm_reference` runs.
+dweight summed over rows as per-thread fp32 partials. CUDA tensors take ATen's fused
+RMSNorm as one megazero op each way (``cuda_rope_norm.rms_norm``; one kernel forward, two
+backward), real or fake. Elsewhere (other dtypes, a weight of another dtype than x's (the
+reference then promotes), extension missing, fewer than ``MIN_NUMEL`` elements, where eager is
+as fast) :func:`rms_norm_reference` runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from megazero.ops import cuda_rope_norm
 from megazero.ops import fused_common as fc
 from megazero.ops.registry import register_op
 
@@ -70,6 +73,8 @@ def _fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., h] with weight [h]; autograd-aware."""
+    if x.is_cuda and cuda_rope_norm.takes_rms_norm(x, weight):
+        return cuda_rope_norm.rms_norm(x, weight, eps)
     if _fusable(x, weight) and (ext := fc.cpu_extension_for(x, weight)) is not None:
         return _FusedRMSNorm.apply(x, weight.contiguous(), eps, ext)
     return rms_norm_reference(x, weight, eps)

@@ -13,9 +13,11 @@ output; only a unit stride along hn is needed), writing the output in t's layout
 when t is not dense); cos and sin are read through their strides too (stride 0 for a
 broadcast batch). Backward is the same pass with the transposed rotation, for t only: cos and
 sin come from positions, so the kernel path is taken only when neither requires a gradient.
-Elsewhere (CUDA tensors, other or mixed dtypes, shapes that do not broadcast as above, extension
-missing, fewer than ``MIN_NUMEL`` elements of t, where eager is as fast) :func:`rope_reference`
-runs.
+CUDA tensors take megazero's CUDA op (``cuda_rope_norm.rope``, the same strided reads, a
+contiguous output) where the CUDA kernels are built or the tensors are fake (the dry run).
+Elsewhere (CUDA without the kernels, other or mixed dtypes, shapes that do not broadcast as
+above, extension missing, fewer than ``MIN_NUMEL`` elements of t, where eager is as fast)
+:func:`rope_reference` runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from megazero.ops import cuda_rope_norm
 from megazero.ops import fused_common as fc
 from megazero.ops.registry import register_op
 
@@ -103,6 +106,10 @@ def _tables(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 def fused_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on t [b, heads, s, hn] with cos, sin [b, 1, s, rot]; autograd-aware."""
+    if t.is_cuda:
+        tables = cuda_rope_norm.rope_tables(t, cos, sin)
+        return rope_reference(t, cos, sin) if tables is None else \
+            cuda_rope_norm.rope(t, *tables)
     tables = _tables(t, cos, sin)
     if tables is not None and (ext := fc.cpu_extension_for(t, *tables)) is not None:
         return _FusedRope.apply(t, *tables, ext)

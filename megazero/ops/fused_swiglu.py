@@ -9,9 +9,11 @@ rows are ordered ``[f, (gate, up)]`` so that a contiguous tensor-parallel shard 
 Kernel (``megazero.ops._fused``, fp32 and bf16 with fp32 arithmetic inside): forward reads each
 row of pairs once (split into gates and ups in registers) and writes the output; only ``y``
 and ``bias`` are saved. Backward recomputes the sigmoid, writes the gradient of ``y``
-interleaved as ``y`` is, and sums ``dbias`` over rows (per-thread fp32 partials). Elsewhere
-(CUDA tensors, other dtypes, extension missing, fewer than ``MIN_NUMEL`` elements of ``y``,
-where eager is as fast) :func:`swiglu_reference` of ``y + bias`` runs.
+interleaved as ``y`` is, and sums ``dbias`` over rows (per-thread fp32 partials). CUDA tensors
+take megazero's CUDA op (``cuda_elementwise.bias_swiglu``) where the CUDA kernels are built or
+the tensors are fake (the dry run). Elsewhere (CUDA without the kernels, other dtypes,
+extension missing, fewer than ``MIN_NUMEL`` elements of ``y``, where eager is as fast)
+:func:`swiglu_reference` of ``y + bias`` runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from megazero.ops import cuda_elementwise
 from megazero.ops import fused_common as fc
 from megazero.ops.registry import register_op
 
@@ -71,6 +74,8 @@ def _fusable(y: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def fused_bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """swiglu(y + bias) for y [..., 2f] (gate and up interleaved); autograd-aware."""
+    if y.is_cuda and cuda_elementwise.takes_bias_swiglu(y, bias):
+        return cuda_elementwise.bias_swiglu(y, bias)
     if _fusable(y, bias) and (ext := fc.cpu_extension_for(y, bias)) is not None:
         return _FusedBiasSwiGLU.apply(y, None if bias is None else bias.contiguous(), ext)
     return swiglu_reference(y if bias is None else y + bias)
