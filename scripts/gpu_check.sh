@@ -9,6 +9,11 @@
 #   smoke   5 fp32 iterations of a tiny GPT-2, its log parsed as the runs below are
 #   train   50 bf16 iterations on one GPU of the README's GPT-2 and of GPT-2 345M: tokens/s and
 #           MFU (scripts/gpu_check_report.py; PEAK_TFLOPS overrides the GPU's peak)
+#   bench   benchmarks/bench_gpu_step.py in what is left of the budget (up to 300 s): GPT-2 345M
+#           and 1.3B, megazero (eager, --compile) against the plain GPT-2 (torch.compile) and
+#           Megatron-core, interleaved; JSON in $GPU_CHECK_DIR/bench_gpu_step.json, the row
+#           gives megazero's tokens/s and MFU at both sizes and the fastest peer
+#           (scripts/gpu_check_report.py bench)
 #   parity  with 2+ GPUs: the lm loss of tp2, pp2, dp2 (and tp2 x pp2 x dp2 on 8 GPUs) under
 #           NCCL against one GPU, 20 fp32 iterations, dropout off, within 1e-4 relative
 #   vscpu   on one GPU: plain fp32, ZeRO-3, ZeRO-3 with states and parameters on NVMe, ZeRO-2
@@ -19,8 +24,10 @@
 # step FAILed. Logs go to $GPU_CHECK_DIR (/tmp/megazero_gpu_check). Knobs: PYTHON (python3),
 # GPU_CHECK_STEPS (a subset of the names above), GPU_CHECK_QUICK=1 (no nvcc compile checks, a
 # 3-iteration smoke run), GPU_CHECK_PARITY_ON_CPU=N (parity and vscpu on gloo as if N GPUs
-# were there, to check this script on CPU), GPU_CHECK_LAYOUTS (a subset of: tp2 pp2 dp2
-# tp2xpp2xdp2).
+# were there, to check this script on CPU), GPU_CHECK_BENCH_ON_CPU=1 (bench's CPU smoke run
+# instead: tiny shapes, two contenders), GPU_CHECK_LAYOUTS (a subset of: tp2 pp2 dp2
+# tp2xpp2xdp2). The whole list does not leave bench its 300 s within 450: on a lent GPU run
+# GPU_CHECK_STEPS="build bench" (or raise GPU_CHECK_BUDGET).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,9 +35,10 @@ PYTHON=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-/tmp/megazero_gpu_check}
 BUDGET=${GPU_CHECK_BUDGET:-450}
 QUICK=${GPU_CHECK_QUICK:-0}
-WANTED=" ${GPU_CHECK_STEPS:-build tests smoke train parity vscpu} "
+WANTED=" ${GPU_CHECK_STEPS:-build tests smoke train bench parity vscpu} "
 WANTED_LAYOUTS=" ${GPU_CHECK_LAYOUTS:-tp2 pp2 dp2 tp2xpp2xdp2} "
 mkdir -p "$DIR" && rm -f "$DIR"/{build,ops_report,test_ops_cuda,smoke,train_*,parity_*,vscpu_*}.log
+rm -rf "$DIR"/bench_gpu_step{,.json,.log}
 
 COMMON_ARGS=(--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-fraction 0.1
     --weight-decay 0.1 --clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
@@ -82,7 +90,7 @@ report_row() {  # report_row STEP ARGS...: the row gpu_check_report.py prints
     shift
     out=$("$PYTHON" scripts/gpu_check_report.py "$@" 2>&1 | tail -n 1)
     case ${out%%$'\t'*} in
-        PASS | FAIL) record "$step" "${out%%$'\t'*}" "${out#*$'\t'}" ;;
+        PASS | FAIL | SKIP) record "$step" "${out%%$'\t'*}" "${out#*$'\t'}" ;;
         *) record "$step" FAIL "gpu_check_report.py: $out" ;;
     esac
 }
@@ -149,6 +157,23 @@ step_train() {  # step_train STEP NAME ITERS MODEL_ARRAY [REPORT_FLAGS...] [-- P
         --num-layers "$(flag --num-layers "${args[@]}")" --device-name "$GPU_NAME" \
         --hidden-size "$(flag --hidden-size "${args[@]}")" \
         --seq-length "$(flag --seq-length "${args[@]}")" "${report[@]}"
+}
+
+step_bench() {  # bench_gpu_step.py within what is left (at most 300 s), its JSON's row
+    local on_cpu=${GPU_CHECK_BENCH_ON_CPU:-0} left=$((BUDGET - SECONDS)) cap=300 args
+    if ((NGPU == 0 && !on_cpu)); then record "bench GPU step" SKIP "no GPU"; return; fi
+    ((left < cap)) && cap=$left
+    # the benchmark's own budget stops starting jobs in time to write its JSON
+    args=(--json "$DIR/bench_gpu_step.json" --budget-s $((cap - 20)))
+    ((NGPU == 0)) && args+=(--device cpu --tiny --contenders megazero:eager,plain-gpt2:eager
+        --models gpt2-345m --warmup 1 --iters 2 --rounds 1)
+    if ((cap < 60)); then
+        record "bench GPU step" SKIP "GPU_CHECK_BUDGET (${BUDGET}s) spent: ${left}s left"
+        return
+    fi
+    run_logged bench_gpu_step "$cap" "$PYTHON" benchmarks/bench_gpu_step.py "${args[@]}" ||
+        { record "bench GPU step" FAIL "$(failure $? bench_gpu_step)"; return; }
+    report_row "bench GPU step" bench "$DIR/bench_gpu_step.json"
 }
 
 step_parity() {
@@ -219,6 +244,7 @@ if [[ $WANTED == *" train "* ]]; then
         step_train "$step" "train_${config,,}" 50 "$config" --require-loss-drop -- --bf16
     done
 fi
+[[ $WANTED == *" bench "* ]] && step_bench
 [[ $WANTED == *" parity "* ]] && step_parity
 [[ $WANTED == *" vscpu "* ]] && step_vscpu
 

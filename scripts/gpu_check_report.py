@@ -1,8 +1,8 @@
 """Rows of scripts/gpu_check.sh's summary table, from the logs of ``pretrain_gpt2.py``.
 
 Pure Python (no torch), so the arithmetic is unit-tested on CPU (tests/test_gpu_check.py).
-Each command prints one row, ``STATUS<TAB>detail`` (STATUS: PASS or FAIL), and exits 0; a log
-that cannot be read gives a FAIL row, not a traceback.
+Each command prints one row, ``STATUS<TAB>detail`` (STATUS: PASS or FAIL; SKIP for bench),
+and exits 0; a log that cannot be read gives a FAIL row, not a traceback.
 
   throughput LOG --num-layers L --hidden-size H --seq-length S [--vocab-size V] [--gpus N]
              [--device-name NAME] [--warmup-lines K] [--expect-iters N] [--require-loss-drop]
@@ -16,11 +16,17 @@ that cannot be read gives a FAIL row, not a traceback.
       for A100, else n/a.
   parity BASE_LOG LOG [--rtol 1e-4]
       the ``lm loss`` of every iteration of LOG against BASE_LOG, within rtol (relative).
+  bench JSON
+      the row of benchmarks/bench_gpu_step.py's JSON: megazero's (eager) tokens/s and MFU at
+      each size, and the fastest other contender at each. FAIL when a megazero or plain-gpt2
+      job failed or megazero measured nothing while another contender did; SKIP (this row
+      only) when nothing was measured (no CUDA device, budget spent).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -158,6 +164,45 @@ def parity_row(base_text: str, text: str, rtol: float = 1e-4) -> tuple[str, str]
     return ("PASS" if worst <= rtol else "FAIL"), detail
 
 
+def _size(model: str) -> str:
+    return model.split("-", 1)[-1]  # gpt2-345m -> 345m
+
+
+def bench_row(doc: dict) -> tuple[str, str]:
+    """(PASS|FAIL|SKIP, detail) of bench_gpu_step.py's results."""
+    rows = doc.get("results") or []
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        why = sorted({r.get("status", "?") for r in rows})
+        return "SKIP", "nothing measured: " + ("; ".join(why)[:200] or "no rows")
+    parts = []
+    for r in rows:
+        if r["contender"] == "megazero" and r["variant"] == "eager":
+            size = _size(r["model"])
+            if r["status"] != "ok":
+                parts.append(f"megazero {size}: {r['status'][:60]}")
+                continue
+            mfu = "MFU n/a" if r["mfu"] is None else f"MFU {100 * r['mfu']:.3g}%"
+            parts.append(f"megazero {size} (mb {r['micro_batch_size']}): "
+                         f"{r['tokens_per_s']:,.0f} tok/s, {mfu}")
+    for model in dict.fromkeys(r["model"] for r in ok):
+        peers = [r for r in ok if r["model"] == model and r["contender"] != "megazero"]
+        if peers:
+            best = max(peers, key=lambda r: r["tokens_per_s"])
+            parts.append(f"best peer {_size(model)}: {best['contender']}:{best['variant']} "
+                         f"{best['tokens_per_s']:,.0f} tok/s")
+    failed = [f"{r['contender']}:{r['variant']} {_size(r['model'])}" for r in rows
+              if r.get("status", "").startswith("failed")
+              and r["contender"] in ("megazero", "plain-gpt2")]
+    mz_ok = any(r["contender"] == "megazero" for r in ok)
+    detail = "; ".join(parts)
+    if failed or not mz_ok:
+        problems = (["failed: " + ", ".join(failed)] if failed else []) \
+            + ([] if mz_ok else ["megazero measured nothing"])
+        return "FAIL", "; ".join(problems) + "; " + detail
+    return "PASS", detail
+
+
 def _read(path: str) -> str:
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()
@@ -182,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("base_log")
     pp.add_argument("log")
     pp.add_argument("--rtol", type=float, default=1e-4)
+    bp = sub.add_parser("bench")
+    bp.add_argument("json")
     args = parser.parse_args(argv)
     try:
         if args.command == "throughput":
@@ -190,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                 seq=args.seq_length, vocab=args.vocab_size, gpus=args.gpus,
                 device_name=args.device_name, warmup_lines=args.warmup_lines,
                 expect_iters=args.expect_iters, require_loss_drop=args.require_loss_drop)
+        elif args.command == "bench":
+            status, detail = bench_row(json.loads(_read(args.json)))
         else:
             status, detail = parity_row(_read(args.base_log), _read(args.log), args.rtol)
     except OSError as exc:
         status, detail = "FAIL", f"cannot read log: {exc}"
+    except (ValueError, KeyError, TypeError) as exc:  # a malformed JSON
+        status, detail = "FAIL", f"cannot read {getattr(args, 'json', 'log')}: {exc!r}"
     print(f"{status}\t{detail}")
     return 0
 

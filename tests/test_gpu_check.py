@@ -174,6 +174,55 @@ def test_command_line_prints_one_row(tmp_path, capsys):
     assert status == "FAIL" and "cannot read log" in detail
 
 
+def bench_doc(statuses=None, mz_mfu=0.2):
+    """bench_gpu_step.py's JSON: megazero eager and a compiled plain GPT-2 at two sizes."""
+    statuses = statuses or {}
+    rows = []
+    for model, tok in (("gpt2-345m", 100_000.0), ("gpt2-1.3b", 30_000.0)):
+        for contender, variant, factor in (("megazero", "eager", 1.0),
+                                           ("plain-gpt2", "compile", 1.5),
+                                           ("megatron-core", "eager", 0.8)):
+            status = statuses.get((contender, model), "ok")
+            ok = status == "ok"
+            rows.append({"contender": contender, "variant": variant, "model": model,
+                         "micro_batch_size": 8 if model == "gpt2-345m" else 4, "status": status,
+                         "tokens_per_s": tok * factor if ok else None,
+                         "mfu": mz_mfu * factor if ok and mz_mfu is not None else None})
+    return {"schema": "megazero.bench_gpu_step/1", "results": rows}
+
+
+def test_bench_row():
+    status, detail = report.bench_row(bench_doc())
+    assert status == "PASS", detail
+    assert "megazero 345m (mb 8): 100,000 tok/s, MFU 20%" in detail
+    assert "megazero 1.3b (mb 4): 30,000 tok/s, MFU 20%" in detail
+    assert "best peer 345m: plain-gpt2:compile 150,000 tok/s" in detail
+    assert "best peer 1.3b: plain-gpt2:compile 45,000 tok/s" in detail
+    assert "MFU n/a" in report.bench_row(bench_doc(mz_mfu=None))[1]
+    # a peer that is not installed, or megazero out of memory at one size: still PASS
+    assert report.bench_row(bench_doc({("megatron-core", "gpt2-345m"): "skipped: not "
+                                       "importable", ("megazero", "gpt2-1.3b"): "oom"}))[0] \
+        == "PASS"
+    status, detail = report.bench_row(bench_doc({("megazero", "gpt2-1.3b"): "failed: exit 1"}))
+    assert status == "FAIL" and "failed: megazero:eager 1.3b" in detail
+    nothing = {(c, m): "skipped: no CUDA device" for c in ("megazero", "plain-gpt2",
+                                                             "megatron-core")
+               for m in ("gpt2-345m", "gpt2-1.3b")}
+    status, detail = report.bench_row(bench_doc(nothing))
+    assert status == "SKIP" and "no CUDA device" in detail
+    only_peers = {("megazero", m): "skipped: budget spent" for m in ("gpt2-345m", "gpt2-1.3b")}
+    status, detail = report.bench_row(bench_doc(only_peers))
+    assert status == "FAIL" and "megazero measured nothing" in detail
+
+
+def test_bench_row_of_a_bad_file(tmp_path, capsys):
+    bad = tmp_path / "bench.json"
+    bad.write_text("{not json")
+    assert report.main(["bench", str(bad)]) == 0
+    status, detail = capsys.readouterr().out.strip().split("\t")
+    assert status == "FAIL" and "cannot read" in detail
+
+
 # ------------------------------------------------------------------- the script, on this CPU
 needs_cpu_machine = pytest.mark.skipif(
     torch.cuda.is_available() or shutil.which("timeout") is None,
@@ -206,7 +255,8 @@ def test_script_on_cpu_skips_the_gpu_steps(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     rows = table(proc.stdout)
     assert list(rows) == ["build CUDA kernels", "test_ops_cuda.py", "smoke train (tiny, fp32)",
-                          "train gpt2 (README) bf16", "train gpt2-345m bf16", "parity tp2",
+                          "train gpt2 (README) bf16", "train gpt2-345m bf16",
+                          "bench GPU step", "parity tp2",
                           "parity pp2", "parity dp2", "parity tp2xpp2xdp2", "GPU vs CPU"],\
         out[-4000:]
     for step, (status, detail) in rows.items():
@@ -245,6 +295,20 @@ def test_script_vscpu_step_runs_on_cpu(tmp_path):
     for status, detail in rows.values():
         assert status == "PASS" and "20 iterations" in detail, detail
     assert (tmp_path / "logs" / "vscpu_zero3-nvme.log").read_text().count("lm loss") == 20
+
+
+@needs_cpu_machine
+def test_script_bench_step_runs_on_cpu(tmp_path):
+    """The bench step's plumbing (budget, JSON, its row) with bench_gpu_step.py's CPU smoke run."""
+    proc = run_script(tmp_path, GPU_CHECK_STEPS="bench", GPU_CHECK_BENCH_ON_CPU="1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = table(proc.stdout)
+    assert list(rows) == ["bench GPU step"]
+    status, detail = rows["bench GPU step"]
+    assert status == "PASS", detail
+    assert "megazero 345m (mb 2):" in detail and "tok/s, MFU n/a" in detail
+    assert "best peer 345m: plain-gpt2:eager" in detail
+    assert (tmp_path / "logs" / "bench_gpu_step.json").exists()
 
 
 @needs_cpu_machine
