@@ -27,6 +27,7 @@ from megazero.model.kv_cache import KVCache
 from megazero.model.transformer import TransformerLayer
 from megazero.tensor_parallel.random import model_parallel_manual_seed
 from tests.dist_helper import run_distributed
+from tests.test_scripts import _TEARDOWN_PROBE, free_port
 from tests.train_helper import TINY, assert_same_run, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,3 +181,20 @@ def test_dry_run_with_compile_runs():
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "launches" in done.stdout
+
+
+def test_teardown_joins_every_gloo_thread_after_compile(tmp_path):
+    """dynamo's caches hold the process groups its graphs traced (a tp group of one at pp2):
+    ``destroy_distributed`` resets them, so no gloo thread outlives the run (see
+    tests/test_scripts.py's teardown test)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(_TEARDOWN_PROBE)
+    flags = (TINY + ITERS + " --compile --pipeline-model-parallel-size 2").split()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROBE_OUT": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(free_port()), str(probe),
+                           "pretrain_gpt2.py", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    left = {name: int((tmp_path / name).read_text()) for name in ("rank0", "rank1")}
+    assert left == {"rank0": 0, "rank1": 0}, ("gloo threads left", left)

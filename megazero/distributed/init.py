@@ -17,9 +17,15 @@ import datetime
 import gc
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists: its functions' ``group=group.WORLD`` defaults are
+# evaluated at import, and imported later (torch.compile imports it) they would hold the
+# default group past ``destroy_distributed``, its gloo threads into interpreter teardown.
+import torch.distributed.nn  # noqa: F401
 
 from megazero.config import ConfigError, ParallelConfig
 from megazero.distributed.device import MAPPED_BACKEND
@@ -108,4 +114,7 @@ def destroy_distributed() -> None:
     process ("terminate called without an active exception", exit code -6)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # --compile: its caches hold the groups its graphs traced
+        dynamo.reset()
     gc.collect()
