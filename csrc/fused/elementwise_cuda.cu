@@ -258,8 +258,9 @@ struct Launch {
 
 Launch tiled(int64_t rows, int64_t cols, int vec, int64_t chunks) {
   if (chunks <= 0) chunks = row_chunks(rows);
+  // exactly `chunks` row chunks (the partials have that many rows); the last ones may be
+  // empty (rows 8200 in 256 chunks of 33), and then write zero partials
   const int64_t per_chunk = (rows + chunks - 1) / chunks;
-  chunks = (rows + per_chunk - 1) / per_chunk;  // no empty chunk at the end
   const int64_t col_blocks = (cols + kTx * vec - 1) / (kTx * vec);
   return {dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(chunks)),
           dim3(kTx, kTy), per_chunk};
