@@ -8,11 +8,11 @@ runs). Modules wrapping a kernel register their ops in ``megazero.ops.registry``
 CPU optimizers: ``CPUAdam`` (cpu_adam.py), ``CPULamb`` (cpu_lamb.py); the fused ZeRO
 optimizer step and the global gradient norm: ``megazero.ops.fused_step``.
 
-Fused model ops (CPU kernels in ``csrc/fused``, CUDA LayerNorm/softmax when built), each an
-autograd op with a PyTorch fallback: ``fused_bias_gelu``, ``fused_bias_dropout_add``,
-``fused_layer_norm`` / ``FusedLayerNorm``, ``scaled_upper_triang_masked_softmax``; for the
-Llama family ``fused_rms_norm``, ``fused_bias_swiglu``, ``fused_rope`` (with their
-``*_reference`` eager formulas). Multi-tensor
+Fused model ops (CPU kernels in ``csrc/fused``; on CUDA megazero's custom ops, ``cuda_fused``
+and the ``cuda_*`` modules), each an autograd op with a PyTorch fallback: ``fused_bias_gelu``,
+``fused_bias_dropout_add``, ``fused_layer_norm`` / ``FusedLayerNorm``,
+``scaled_upper_triang_masked_softmax``; for the Llama family ``fused_rms_norm``,
+``fused_bias_swiglu``, ``fused_rope`` (with their ``*_reference`` eager formulas). Multi-tensor
 CUDA optimizers: ``FusedAdam``, ``FusedLamb`` (cuda_optim.py).
 
 The 1-bit sign codec of the compressed all-reduce: ``pack_signs`` / ``unpack_signs``

@@ -1,7 +1,8 @@
 """Shared plumbing of the fused model ops: extension lookup, dtype codes, SIMD level control.
 
 The CPU kernels live in ``csrc/fused/`` and are built as ``megazero.ops._fused``; the CUDA
-LayerNorm and softmax kernels as ``megazero.ops._fused_cuda``. Each op's Python face
+kernels (``*.cu`` there) as ``megazero.ops._fused_cuda``, behind the custom ops of
+``cuda_fused`` and the ``cuda_*`` modules. Each op's Python face
 (``fused_bias_gelu.py``, ``fused_dropout.py``, ``fused_layer_norm.py``, ``fused_softmax.py``,
 ``fused_rms_norm.py``, ``fused_swiglu.py``, ``fused_rope.py``) calls :func:`cpu_extension` /
 :func:`cuda_extension` per call and takes its PyTorch path when it gets ``None`` (extension not
