@@ -14,7 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megazero.dryrun.launches import DeviceOpCounter
@@ -98,8 +98,12 @@ def run_case(name, face, reference, make, names):
         inputs = make()
         expected = reference(*inputs)
         counter.start_iteration(0)
+        with unset_fake_temporarily():
+            rng = torch.get_rng_state()
         with counter.phase("forward_op"):
             out = face(*inputs)
+        with unset_fake_temporarily():
+            rng_kept = torch.equal(rng, torch.get_rng_state())
         fwd = counter.iterations[-1]
         counter.start_iteration(1)
         wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -108,7 +112,8 @@ def run_case(name, face, reference, make, names):
     with fake:  # dynamo refuses to trace under a non-infra dispatch mode (the counter)
         compiled = torch.compile(face, fullgraph=True, backend="eager")(*inputs)
     return {
-        "out": meta(out), "expected": meta(expected), "compiled": meta(compiled),
+        "out": meta(out), "cpu_rng_untouched": rng_kept, "expected": meta(expected),
+        "compiled": meta(compiled),
         "grads": dict(zip([n for n, t in zip(names, inputs) if any(t is w for w in wrt)],
                           map(meta, grads))),
         "forward": fwd.kernel_launches, "forward_ops": dict(fwd.launches_by_op),
