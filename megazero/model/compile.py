@@ -44,6 +44,9 @@ What runs inside the compiled region, and what stays out:
   distribution. Recompute stays consistent: the restored generator gives the same seeds.
 - Decoding with a KV cache (``kv_cache``) runs the layer eagerly (its cache bookkeeping
   mutates Python state every step).
+- Cost: the first iteration compiles (inductor's C++ build on CPU, cached on disk for later
+  runs); each further mode (evaluation, a forward without grad) compiles once more. All
+  layers share their graphs. torch._dynamo and inductor are imported only with ``--compile``.
 - The dry run (an active ``FakeTensorMode``: fake tensors cannot be compiled, and a CPU-only
   torch has no GPU code generator) builds and runs the layers eagerly with the configured
   fused ops, and ``compile_note`` says so for its report.
