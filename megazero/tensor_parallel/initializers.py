@@ -130,7 +130,11 @@ _CHUNK = 1 << 20  # elements drawn at a time: bounds the temporaries (~40 MB)
 
 def fill_flat_partition(flat: torch.Tensor, spec: InitSpec, shard: ShardInfo, key: int,
                         local_shape, start: int) -> torch.Tensor:
-    """Fill a 1-D slice ``[start, start + flat.numel())`` of a local tensor's flat view."""
+    """Fill a 1-D slice ``[start, start + flat.numel())`` of a local tensor's flat view. A
+    fake one (the dry run) has no values: nothing is drawn (nor would the fake-tensor mode
+    reach the drawing threads)."""
+    if is_fake(flat):
+        return flat
     if spec.kind == "normal" and flat.numel() > _CHUNK:
         # chunks are independent (counter-based): drawn by torch's intra-op thread count of
         # threads (numpy releases the GIL), the same values whatever the count
