@@ -11,7 +11,9 @@ hold at once), ``temporary_bytes`` (other training allocations alive at the peak
 what counts), ``device_ops`` (the same per iteration, split by phase, module and op, every
 sync with its source line), ``collectives`` (a list of
 {group, ranks, op, calls, bytes, dtype}: bytes this rank sends), ``p2p`` (the schedule's
-point-to-point pattern: {op, peer, shape, dtype, calls, bytes}), ``checks`` and ``notes``.
+point-to-point pattern: {op, peer, shape, dtype, calls, bytes}), ``checks`` and ``notes``;
+with ``--compile``, ``compile`` ({requested, layers: "eager", note}: fake tensors are not
+compiled, so the counts are the eager layers').
 
 ``compare_sequences`` and ``compare_p2p`` match two ranks' recorded collectives.
 """
@@ -23,6 +25,7 @@ import os
 from collections import OrderedDict
 
 from megazero.distributed.parallel_state import coords_of
+from megazero.model.compile import DRY_RUN_NOTE
 
 
 def _shared_groups(a, b, kind: str) -> list[str]:
@@ -212,6 +215,35 @@ class Report(dict):
         return "\n".join(lines)
 
 
+_CUDA_KERNELS_NOTE = (
+    "CUDA kernels assumed built: on fake CUDA the fused chains (bias-GELU, bias-dropout-add, "
+    "bias-SwiGLU, RoPE, causal softmax, vocab-parallel cross entropy) are counted as "
+    "megazero's CUDA custom ops (megazero::*), one launch per call, as on a GPU host where "
+    "`pip install -e .` built megazero.ops._fused_cuda (check with `python -m megazero.ops`); "
+    "without that extension a real GPU run takes the eager PyTorch formulas and launches more. "
+    "RMSNorm is counted as ATen's fused kernel, which needs no extension. A backward that "
+    "computes a bias gradient adds one launch (megazero::column_sum); "
+    "megazero::rms_norm_backward is ATen's and launches 2 kernels")
+_CUDA_OPTIMIZER_NOTE = (
+    "the Adam step on CUDA is torch's fused Adam(W) kernel over the fp32 main parameters, with "
+    "the step count, loss scale and clip factor kept on the device (no host sync); its "
+    "launches are counted under optimizer")
+_CPU_KERNELS_NOTE = (
+    "megazero's CPU kernels (the fused model ops, the fused Adam/ZeRO step) are called "
+    "shape-only on fake tensors: their outputs and saved tensors are allocated as around the "
+    "real call, and the call itself is skipped (and not counted as a launch)")
+
+
+def _notes(config, device: str) -> list[str]:
+    notes = ["tensors are fake (shapes without memory) and groups are torch's fake process "
+             "group: values read on the host (loss, grad norm) are zeros"]
+    notes += [_CUDA_KERNELS_NOTE, _CUDA_OPTIMIZER_NOTE] if device == "cuda" else [
+        _CPU_KERNELS_NOTE]
+    if config.model.compile:
+        notes.append(DRY_RUN_NOTE)
+    return notes + ["data are synthetic tokens of the job's shapes (--mock-data)"]
+
+
 def build_report(config, opts, run, checks: dict) -> Report:
     ps, dev = run.ps, opts.device
     peak = run.train_peak.get(dev) or run.tracker.peak(dev)
@@ -239,11 +271,10 @@ def build_report(config, opts, run, checks: dict) -> Report:
         logging_iteration=run.device_ops["logging_iteration"],
         device_ops=run.device_ops["device_ops"],
         collectives=_aggregate_collectives(run), p2p=_aggregate_p2p(run), checks=checks,
-        notes=["tensors are fake (shapes without memory) and groups are torch's fake process "
-               "group: values read on the host (loss, grad norm) are zeros",
-               "fused model ops run their PyTorch reference paths on fake tensors; the "
-               "in-place optimizer kernels (Adam, the fused ZeRO step) allocate nothing and "
-               "are skipped",
-               "data are synthetic tokens of the job's shapes (--mock-data)"])
+        notes=_notes(config, dev))
+    if config.model.compile:
+        # the layers ran eagerly (fake tensors are not compiled): say so rather than count
+        # eager launches as if they were a compiled layer's
+        report["compile"] = {"requested": True, "layers": "eager", "note": DRY_RUN_NOTE}
     report.update({k: v for k, v in run.states.items() if k.startswith("host_")})
     return report
