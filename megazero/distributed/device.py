@@ -37,13 +37,21 @@ def _dispatch_modes():
     return _get_current_dispatch_mode_stack()
 
 
+HOST_READ_MARK = "megazero::host_read"
+
+
 def _on_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened on the host: one device-to-host copy for a device tensor (an op a
     dispatch mode sees, fake tensors included); a host tensor's read is announced to the
-    active modes that count host reads (``note_host_read``: ``dryrun.launches``)."""
+    active modes that count host reads (``note_host_read``: ``dryrun.launches``) and marked
+    in torch.profiler's record when it is on (``HOST_READ_MARK``)."""
     t = t.detach().reshape(-1)
     if t.device.type != "cpu":
         return t.to("cpu")
+    if torch.autograd.profiler._is_profiler_enabled:
+        # no op is dispatched for it: a mark in torch.profiler's record (tests/test_launches)
+        with torch.profiler.record_function(HOST_READ_MARK):
+            pass
     for mode in _dispatch_modes():
         note = getattr(mode, "note_host_read", None)
         if note is not None:

@@ -53,6 +53,9 @@ CHUNK = 65536
 MULTI_KERNEL = {
     "aten.native_layer_norm_backward.default": 2,
     "aten._scaled_dot_product_flash_attention_backward.default": 3,
+    # megazero's CUDA custom op wrapping ATen's RMSNorm backward (input and weight gradients);
+    # megazero.ops.cuda_ops.KERNELS_PER_CALL lists it too (tests/test_launches.py holds them equal)
+    "megazero.rms_norm_backward.default": 2,
 }
 FOREACH_NORM_EXTRA = 1
 
@@ -78,6 +81,12 @@ _COPY_OPS = ("aten._to_copy.default", "aten.copy_.default")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _HOST_READ_HELPERS = (os.path.join(os.path.dirname(_HERE), "distributed", "device.py"),)
+
+
+def profiler_name(op: str) -> str:
+    """torch.profiler's name of a dispatched op: ``aten.add_.Tensor`` -> ``aten::add_``."""
+    ns, name = op.split(".")[:2]
+    return f"{ns}::{name}"
 
 
 def mta_launches(numels: list[int], depth: int, scalar_list: bool = False) -> int:
