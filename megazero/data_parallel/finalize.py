@@ -68,15 +68,16 @@ def step_scalars(sumsq: torch.Tensor, scale, dp_size: int, clip: float):
     of the true gradients; NaN on overflow) and ``factor`` (float64 ``[1]``: un-scaling, dp
     averaging and the clip coefficient ``min(1, clip / (norm + 1e-6))`` in one multiplier).
     The same IEEE float64 operations, in the same order, as Python's arithmetic on the value
-    read to the host: the result is bit for bit what the host would compute."""
-    divisor = scale * dp_size  # a float, or a float64 [1] tensor (dynamic loss scale)
+    read to the host: the result is bit for bit what the host would compute (given the
+    device's square root: IEEE on CUDA; torch's CPU one can be one ulp off ``math.sqrt``)."""
+    # float64 [1] beside sumsq: a division by a Python or 0-dim host scalar multiplies by its
+    # reciprocal (ATen's scalar fast path), one rounding more than the host's division
+    divisor = scale.reshape(1).to(sumsq) * dp_size if torch.is_tensor(scale) \
+        else torch.full_like(sumsq, scale * dp_size)
     finite = torch.isfinite(sumsq)
     norm = torch.where(finite, sumsq.sqrt() / divisor, float("nan"))
-    coeff = 1.0
+    coeff = torch.ones_like(norm)
     if clip > 0:
         c = torch.full_like(norm, clip) / (norm + 1e-6)  # not clip / t: that is t^-1 * clip
         coeff = torch.where(c < 1.0, c, 1.0)
-    factor = coeff / divisor
-    if not torch.is_tensor(factor):
-        factor = torch.full_like(norm, factor)
-    return ~finite, norm, factor
+    return ~finite, norm, coeff / divisor

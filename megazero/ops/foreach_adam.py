@@ -48,7 +48,8 @@ def adam_update_device_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1
     params, exp_avgs, exp_avg_sqs: fp32 [n_i]; grads [n_i] fp32/bf16/fp16; step: fp32 []
     (the count including this step: used for bias correction); grad_scale: float64 [1], the
     factor the gradient is multiplied by; found_inf: bool [1] (skip the update); copies: None
-    or [n_i] model-dtype tensors (None where not wanted) receiving the updated values."""
+    or [n_i] model-dtype tensors (None where not wanted) receiving the updated values. The
+    kernel divides fp32 gradients in place (the others through their fp32 copies)."""
     n = len(params)
     wds = cx.per_tensor("weight_decay", weight_decay, n)
     divisor = torch.reciprocal(grad_scale).float()  # [1]: the kernel divides the gradient
