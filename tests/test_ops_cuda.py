@@ -232,6 +232,43 @@ def test_fused_adam_reference_matches_torch(gen, adam_w_mode):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5])
+def test_torch_fused_route_matches_reference(gen, adam_w_mode, grad_scale):
+    # the fp32 CUDA route of FusedAdam (torch's fused kernel), run here on CPU tensors: the
+    # reference's step within fp32 rounding, the gradients left as they were
+    shapes = [(7,), (3, 5), (129,), (0,)]
+    params, grads = _params(gen, shapes), _params(gen, shapes)
+    ms = [torch.zeros_like(p) for p in params]
+    vs = [torch.zeros_like(p) for p in params]
+    ref = [[t.clone() for t in lst] for lst in (params, grads, ms, vs)]
+    before = [g.clone() for g in grads]
+    for step in (1, 2, 3):
+        cuda_optim.torch_fused_adam_(params, grads, ms, vs, lr=1e-2, beta1=0.9, beta2=0.999,
+                                     eps=1e-8, weight_decay=0.1, step=step,
+                                     adam_w_mode=adam_w_mode, grad_scale=grad_scale)
+        adam_update_reference_(*ref, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.1, step=step, adam_w_mode=adam_w_mode,
+                               grad_scale=grad_scale)
+    for a, b in zip([*params, *ms, *vs], [*ref[0], *ref[2], *ref[3]]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))
+
+
+def test_torch_fused_route_is_taken_for_fp32_cuda_only():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # fake CUDA tensors: no device needed to check the choice
+        f32 = [torch.empty(4, device="cuda")]
+        bf16 = [torch.empty(4, device="cuda", dtype=torch.bfloat16)]
+        assert cuda_optim.takes_torch_fused(f32, f32, f32, f32, bias_correction=True)
+        assert not cuda_optim.takes_torch_fused(f32, f32, f32, f32, bias_correction=False)
+        assert not cuda_optim.takes_torch_fused(bf16, bf16, f32, f32, bias_correction=True)
+    cpu = [torch.zeros(4)]
+    assert not cuda_optim.takes_torch_fused(cpu, cpu, cpu, cpu, bias_correction=True)
+    assert not cuda_optim.takes_torch_fused([], [], [], [], bias_correction=True)
+
+
 @pytest.mark.parametrize("lamb", [cuda_optim.multi_tensor_lamb, lamb_update_reference_])
 def test_fused_lamb_reference_step(gen, lamb):
     p = torch.randn(50, generator=gen)

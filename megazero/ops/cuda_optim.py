@@ -18,9 +18,17 @@ Off the GPU, or without the extension, the same calls run ``cpu_adam.adam_update
 ``cpu_lamb.lamb_update_`` (the CPU kernels for CPU tensors, those references otherwise).
 
 Params and grads share one dtype (fp32, bf16, fp16); moments are fp32; math is fp32.
+
+On an H200 megazero's Adam kernel ran at 0.69x torch's fused AdamW (113M fp32 params,
+``benchmarks/RESULTS.md``, "First run on a GPU"), so where torch's kernel computes the same
+step (CUDA, all tensors fp32, bias correction on) ``multi_tensor_adam`` runs
+``torch._fused_adam(w)_`` instead (:func:`torch_fused_adam_`); megazero's kernel keeps what
+torch's lacks: bf16/fp16 parameters with fp32 moments, and Adam without bias correction.
 """
 
 from __future__ import annotations
+
+import torch
 
 from megazero.ops._loader import load_extension
 from megazero.ops._optim_base import BucketedOptimizer
@@ -37,10 +45,42 @@ def _cuda_ext(params):
     return load_extension(EXTENSION)
 
 
+def takes_torch_fused(params, grads, exp_avgs, exp_avg_sqs, bias_correction) -> bool:
+    """Whether ``multi_tensor_adam`` runs torch's fused kernel: CUDA, every tensor fp32, bias
+    correction on (torch's kernel always applies it)."""
+    tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs]
+    return bool(params) and bias_correction and all(
+        t.is_cuda and t.dtype == torch.float32 for t in tensors)
+
+
+def torch_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
+                      weight_decay, step, adam_w_mode=True, grad_scale=1.0) -> None:
+    """``adam_update_reference_``'s step (bias correction on) with ``torch._fused_adam(w)_``.
+
+    params, grads, exp_avgs, exp_avg_sqs: lists of fp32 tensors [n_i] on one device; step: the
+    count including this step; grads are read, never written (torch's kernel un-scales in
+    place, so a ``grad_scale`` other than 1 multiplies into new tensors first)."""
+    if not params:
+        return
+    if grad_scale != 1.0:
+        grads = torch._foreach_mul(list(grads), grad_scale)
+    steps = torch.full((), float(step), dtype=torch.float32, device=params[0].device)  # []
+    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    kernel(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], [steps] * len(params),
+           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+           maximize=False)
+
+
 def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.999,
                       eps=1e-8, weight_decay=0.0, step, adam_w_mode=True, bias_correction=True,
                       grad_scale=1.0):
-    """One Adam/AdamW step over lists of tensors, in place (CUDA kernel, else adam_update_)."""
+    """One Adam/AdamW step over lists of tensors, in place (torch's fused kernel where
+    ``takes_torch_fused``, else the CUDA kernel, else adam_update_)."""
+    if takes_torch_fused(params, grads, exp_avgs, exp_avg_sqs, bias_correction):
+        torch_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2,
+                          eps=eps, weight_decay=weight_decay, step=step,
+                          adam_w_mode=adam_w_mode, grad_scale=grad_scale)
+        return
     ext = _cuda_ext(params)
     if ext is None:
         adam_update_(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1,
@@ -86,7 +126,8 @@ class _MultiTensorOptimizer(BucketedOptimizer):
 
 class FusedAdam(_MultiTensorOptimizer):
     """Adam/AdamW over all params of a group in one multi-tensor CUDA launch (apex/DeepSpeed
-    FusedAdam); ``adam_w_mode=True`` (default) decouples the weight decay."""
+    FusedAdam: torch's fused kernel for fp32, megazero's for bf16/fp16 params or without bias
+    correction); ``adam_w_mode=True`` (default) decouples the weight decay."""
 
     _op = staticmethod(multi_tensor_adam)
     _op_options = ("adam_w_mode", "bias_correction")
