@@ -19,7 +19,11 @@ same yardsticks: tokens/s, model TFLOP/s by megazero's own formula (the log line
 per rank: Megatron's 72 B s L h^2 (1 + s/6h + V/12Lh)), MFU against the device's dense bf16
 peak (989 TFLOP/s for H100/H200 SXM, 312 for A100; ``--peak-tflops`` or $PEAK_TFLOPS
 overrides), peak memory, launches in one profiled iteration and the GPU-busy fraction.
-Writes the JSON of /work/notes/bench_schema.md (``--json``) and prints a table.
+Prints a table; ``--json`` writes ``{"schema": "megazero.bench_gpu_step/1", "date", "device",
+"gpu_count", "torch", "cuda", "peak_tflops", "results": [row, ...]}``, a row per job with the
+keys of ``ROW_KEYS`` (shape, ``status``, ``iter_ms``, ``tokens_per_s``, ``model_tflops_per_s``,
+``mfu``, ``peak_mem_gib``, ``launches_per_iter``, ``gpu_busy``, ``first_iter_s``, ...): what
+``python -m megazero.plan.calibrate --gpu-step`` reads.
 
 Without a CUDA device every row is "skipped: no CUDA device" (exit 0); ``--device cpu
 --tiny`` is the CPU smoke run the tests use (tiny shapes, CPU ops for launches).
@@ -263,7 +267,7 @@ def table(doc: dict) -> str:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the results here (bench_schema.md)")
+    p.add_argument("--json", help="write the results here (the JSON of the module doc)")
     p.add_argument("--log-dir", help="children's specs, results and logs (default: a temporary "
                                      "folder, or beside --json)")
     p.add_argument("--budget-s", type=float, default=290.0,

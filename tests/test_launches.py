@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,6 +228,19 @@ def test_gpt2_345m_on_fake_cuda_meets_the_launch_and_sync_targets(tmp_path):
     plain = json.loads(plain_json.read_text())["results"][0]
     assert plain["status"] == "ok"
     assert steady["kernel_launches"] <= plain["kernel_launches"], (steady, plain)
+    # the README's "GPU performance" table and RESULTS.md state these counts
+    _documented_counts_are(steady["kernel_launches"], plain["kernel_launches"])
+
+
+def _documented_counts_are(megazero: int, plain: int) -> None:
+    readme = (Path(ROOT) / "README.md").read_text()
+    row = next(line for line in readme.splitlines()
+               if line.startswith("| 345M") and "dropout 0.1: launches" in line)
+    cells = [c.strip(" *") for c in row.split("|")[2:4]]
+    assert cells == [f"{megazero:,}", f"{plain:,}"], row
+    results = (Path(ROOT) / "benchmarks" / "RESULTS.md").read_text()
+    assert f"| GPT-2 345M, dropout 0.1 | **megazero** | **{megazero:,}** |" in results
+    assert f"| | plain GPT-2 (eager) | {plain:,} |" in results
 
 
 def test_multi_tensor_launches_follow_aten_chunking():
