@@ -197,6 +197,9 @@ def _add_optimizer_args(parser):
     g.add("--zero-max-live-parameters", type=int,
           help="ZeRO-3: prefetch the next unit only while the gathered parameters stay at or "
                "below this many elements (DeepSpeed's stage3_max_live_parameters)")
+    g.add("--zero-prefetch-bucket-size", type=int,
+          help="ZeRO-3: prefetch the units ahead while their elements sum to at most this "
+               "(DeepSpeed's stage3_prefetch_bucket_size; default: the next unit only)")
     g.add("--no-zero3-order-check", field="zero3_order_check", action="store_false",
           help="skip ZeRO-3's check that dp ranks issue collectives in one order (a tiny "
                "all-gather before each; on by default)")
@@ -213,6 +216,10 @@ def _add_optimizer_args(parser):
     g.add("--nvme-sub-group-size", type=int,
           help="elements per streamed sub-group of --offload-optimizer nvme")
     g.add("--nvme-threads", type=int, help="I/O threads of --offload-optimizer nvme")
+    g.add("--nvme-block-size", type=int, help="bytes per I/O piece of the NVMe offload "
+          "(1 MiB; DeepSpeed's aio.block_size)")
+    g.add("--nvme-buffer-count", type=int, help="host slots --offload-optimizer nvme streams "
+          "its sub-groups through (2; DeepSpeed's offload_optimizer.buffer_count)")
     g.add("--cpu-torch-adam", "--cpu_torch_adam", action="store_true",
           help="use torch.optim.AdamW even when megazero's CPU Adam is built")
     g.add("--ds_fused_adam", "--ds-fused-adam", field="use_fused_step", action="store_true",

@@ -212,3 +212,42 @@ def test_gathered_parameters_modified_on_one_rank_reach_every_rank_and_the_optim
     mains = [m for _, _, ms in results for m in ms]  # the owners' fp32 main values too
     assert sum(m.numel() for m in mains) == seen.numel()
     assert all(torch.all(m == 0.5) for m in mains)
+
+
+def _io_sizes_worker(path, buffer_count, block_size):
+    from megazero.distributed.parallel_state import ParallelState
+    from megazero.engine import initialize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+    cfg = OptimizerConfig(zero_stage=2, offload_optimizer="nvme", nvme_path=path, lr=1e-2,
+                          nvme_sub_group_size=300, nvme_buffer_count=buffer_count,
+                          nvme_block_size=block_size)
+    engine = initialize(model, cfg, ParallelState.build())
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(3):
+        loss = engine(torch.randn(4, 32)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    opt = engine.optimizer
+    return losses, len(opt.slots), opt.aio.block_size, len(opt.groups)
+
+
+def test_nvme_buffer_count_and_block_size_size_the_io_not_the_step(tmp_path):
+    """--nvme-buffer-count (DeepSpeed's offload_optimizer.buffer_count) host slots, reading
+    that many sub-groups ahead, and --nvme-block-size (aio.block_size) pieces: the same step."""
+    from tests.dist_helper import run_distributed
+
+    two = run_distributed(_io_sizes_worker, 1, str(tmp_path / "a"), 2, 1 << 20)[0]
+    four = run_distributed(_io_sizes_worker, 1, str(tmp_path / "b"), 4, 8192)[0]
+    assert four[0] == two[0]
+    assert (two[1], two[2]) == (2, 1 << 20) and (four[1], four[2]) == (4, 8192)
+    assert two[3] > 4  # more sub-groups than slots: the slots are reused
+    with pytest.raises(ConfigError, match="--nvme-buffer-count"):
+        OptimizerConfig(zero_stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path),
+                        nvme_buffer_count=1)
+    with pytest.raises(ConfigError, match="--nvme-block-size"):
+        OptimizerConfig(zero_stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path),
+                        nvme_block_size=5000)

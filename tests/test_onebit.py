@@ -81,6 +81,30 @@ def test_refused_combinations_name_the_flags():
         OptimizerConfig(optimizer="onebitadam", freeze_step=0)
     with pytest.raises(Exception, match="runs at --zero-stage 0"):
         run_training(TINY + " --train-iters 3 --optimizer onebitadam --zero-stage 1", 2)
+    with pytest.raises(ConfigError, match="comm_backend_name"):
+        OptimizerConfig(optimizer="onebitadam", compressed_comm_backend="mpi")
+
+
+def _backend_worker(name, backend):
+    import megazero
+    from megazero.distributed.parallel_state import ParallelState
+
+    model = torch.nn.Linear(4, 4)
+    cfg = OptimizerConfig(optimizer=name, lr=1e-3, compressed_comm_backend=backend)
+    try:
+        megazero.initialize(model, cfg, ParallelState.build())
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("name", ["onebitadam", "zerooneadam"])
+def test_a_named_backend_is_the_one_the_exchange_runs_on(name):
+    # a ds_config's comm_backend_name: on CPU tensors the exchange runs on gloo
+    assert run_distributed(_backend_worker, 2, name, "gloo") == [None, None]
+    assert run_distributed(_backend_worker, 2, name, None) == [None, None]
+    for err in run_distributed(_backend_worker, 2, name, "nccl"):
+        assert "comm_backend_name is nccl" in err and "gloo" in err, err
 
 
 # ---- 0/1 Adam ------------------------------------------------------------------------------

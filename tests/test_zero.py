@@ -335,7 +335,7 @@ def test_overlap_is_really_asynchronous(stage):
         assert r == (0, 0, 0), r
 
 
-def _zero3_max_live(limit):
+def _zero3_max_live(limit, prefetch_numel=None):
     from megazero.config import OptimizerConfig
     from megazero.distributed.parallel_state import ParallelState
     from megazero.engine import initialize
@@ -344,6 +344,7 @@ def _zero3_max_live(limit):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
     engine = initialize(model, OptimizerConfig(zero_stage=3, zero_max_live_parameters=limit,
+                                               zero_prefetch_bucket_size=prefetch_numel,
                                                zero_reduce_bucket_size=64 * 64), ps)
     torch.manual_seed(1)
     losses = []
@@ -368,3 +369,19 @@ def test_zero3_max_live_parameters_limits_prefetch_not_results():
         assert l_tight == l_free
         assert peak_free >= 2 * layer_bytes  # the current and the prefetched layer
         assert peak_tight == layer_bytes
+
+
+def test_zero3_prefetch_bucket_size_prefetches_that_many_elements_ahead():
+    """DeepSpeed's stage3_prefetch_bucket_size: the units ahead stay in flight while their
+    elements fit (3 layers: all four of them gathered at once in forward; 1 layer: the next
+    one only, as without the setting), with the same training."""
+    from tests.dist_helper import run_distributed
+
+    layer = 64 * 64
+    default = run_distributed(_zero3_max_live, 2, None)
+    wide = run_distributed(_zero3_max_live, 2, None, 3 * layer)
+    one = run_distributed(_zero3_max_live, 2, None, layer)
+    for (l_def, peak_def), (l_wide, peak_wide), (l_one, peak_one) in zip(default, wide, one):
+        assert l_wide == l_def == l_one
+        assert peak_def == peak_one == 2 * layer * 4
+        assert peak_wide == 4 * layer * 4

@@ -13,6 +13,8 @@ from megazero.config.checks import (
     _optional_int_at_least,
 )
 
+IO_ALIGN = 4096  # bytes: megazero.ops.aio.ALIGN (tests/test_deepspeed_config.py holds them equal)
+
 
 @dataclass
 class ParallelConfig:
@@ -71,6 +73,9 @@ class OptimizerConfig:
     var_update_scaler: int = 16
     local_step_scaler: int = 32678
     local_step_clipper: int = 16
+    # onebitadam/zerooneadam: the backend a ds_config names for the compressed exchange
+    # (comm_backend_name), checked against the one the dp group uses; None: not named
+    compressed_comm_backend: str | None = None
     lr: float = 1.5e-4
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root | WSD
@@ -108,6 +113,9 @@ class OptimizerConfig:
     # ZeRO-3: no prefetch once it would hold more parameter elements gathered than this
     # (DeepSpeed's stage3_max_live_parameters); None: no limit
     zero_max_live_parameters: int | None = None
+    # ZeRO-3: prefetch the units ahead while their elements sum to at most this
+    # (DeepSpeed's stage3_prefetch_bucket_size); None: the next unit only
+    zero_prefetch_bucket_size: int | None = None
     zero3_order_check: bool = True  # all-gather (kind, bucket, seq) before each collective
     cpu_offload: bool = False
     # --offload-optimizer nvme: the fp32 main values and moments in files under nvme_path,
@@ -118,6 +126,8 @@ class OptimizerConfig:
     nvme_path: str | None = None
     nvme_sub_group_size: int = 1 << 22
     nvme_threads: int = 4
+    nvme_block_size: int = 1 << 20  # bytes per I/O piece (DeepSpeed's aio.block_size)
+    nvme_buffer_count: int = 2  # host slots the step streams through (offload_optimizer's)
     cpu_torch_adam: bool = False
     use_fused_step: bool = True  # fused unscale+clip+adam+cast kernel when built
     # a ds_config's scheduler (WarmupLR | WarmupDecayLR | WarmupCosineLR, counted in steps)
@@ -129,6 +139,9 @@ class OptimizerConfig:
                f"--optimizer must be adam, lamb, sgd, onebitadam or zerooneadam, got "
                f"{self.optimizer!r}")
         _int_at_least(self.freeze_step, "--freeze-step", 1)
+        _check(self.compressed_comm_backend in (None, "nccl", "gloo"),
+               "ds_config optimizer.params.comm_backend_name must be nccl or gloo, got "
+               f"{self.compressed_comm_backend!r}")
         _check(self.adam_bias_correction or (
             self.optimizer in ("adam", "onebitadam", "zerooneadam") and not self.cpu_torch_adam),
             "--no-adam-bias-correction needs megazero's Adam (--optimizer adam, onebitadam or "
@@ -173,6 +186,7 @@ class OptimizerConfig:
         _int_at_least(self.zero_param_persistence_threshold,
                       "--zero-param-persistence-threshold", 0)
         _optional_int_at_least(self.zero_max_live_parameters, "--zero-max-live-parameters", 1)
+        _optional_int_at_least(self.zero_prefetch_bucket_size, "--zero-prefetch-bucket-size", 1)
         _finite(self.clip_grad, "--clip-grad", positive=False)
         _int_at_least(self.hysteresis, "--hysteresis", 1)
         _int_at_least(self.loss_scale_window, "--loss-scale-window", 1)
@@ -202,6 +216,10 @@ class OptimizerConfig:
                "--offload-optimizer cpu or nvme (or --cpu-offload)")
         _int_at_least(self.nvme_sub_group_size, "--nvme-sub-group-size", 1)
         _int_at_least(self.nvme_threads, "--nvme-threads", 1)
+        _int_at_least(self.nvme_buffer_count, "--nvme-buffer-count", 2)
+        _check(self.nvme_block_size >= IO_ALIGN and self.nvme_block_size % IO_ALIGN == 0,
+               f"--nvme-block-size must be a positive multiple of {IO_ALIGN} bytes (O_DIRECT's "
+               f"alignment), got {self.nvme_block_size}")
         _check(not (self.offload_optimizer == "nvme" and self.zero_stage not in (1, 2, 3)),
                "--offload-optimizer nvme needs --zero-stage 1, 2 or 3")
         _check(not (self.offload_optimizer == "nvme" and self.optimizer not in ("adam", "sgd")),

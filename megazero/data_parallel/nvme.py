@@ -11,13 +11,14 @@ removed when the optimizer is collected or the process exits, and by the next ru
 host after a kill; checkpoints are written from them as usual (layout-free fragments), so a
 kill -9 leaves the last checkpoint intact and never a checkpoint in the swap files.
 
-A step streams the sub-groups through two aligned host slots with the I/O engine
-(``megazero.ops.aio``): while sub-group g steps (the same update rule and kernel as
-``--cpu-offload``, on the same fp32 values: bit for bit the CPU-offloaded step), g + 1 is read
-into the other slot and g - 1's results are still being written. The reduced gradients stay in
-the host buffer of ``--cpu-offload``; the updated main values are written into the model's
-parameter storage piece by piece. Host memory for optimizer states: two slots, 2 x 3 x the
-sub-group size in fp32, instead of 3 x the partition.
+A step streams the sub-groups through ``--nvme-buffer-count`` k aligned host slots (2;
+DeepSpeed's offload_optimizer.buffer_count) with the I/O engine (``megazero.ops.aio``, moving
+``--nvme-block-size`` pieces): while sub-group g steps (the same update rule and kernel as
+``--cpu-offload``, on the same fp32 values: bit for bit the CPU-offloaded step), g + 1 .. g +
+k - 1 are read into the other slots and g - 1's results are still being written. The reduced
+gradients stay in the host buffer of ``--cpu-offload``; the updated main values are written
+into the model's parameter storage piece by piece. Host memory for optimizer states: k slots,
+k x 3 x the sub-group size in fp32, instead of 3 x the partition.
 
 Rules stepping element by element only (Adam, SGD): LAMB's trust ratio needs whole parameters.
 """
@@ -148,8 +149,10 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         self.paths = {k: os.path.join(self.swap_dir, f"{k}.bin") for k in self.kinds}
         self.groups = plan_subgroups(self.layout.segments, opt_config.nvme_sub_group_size)
         slot = max(g.io_numel for g in self.groups)
-        self.slots = [{k: aligned_empty(slot) for k in self.kinds} for _ in range(2)]
-        self.aio = AsyncIO(num_threads=opt_config.nvme_threads)
+        self.slots = [{k: aligned_empty(slot) for k in self.kinds}
+                      for _ in range(opt_config.nvme_buffer_count)]
+        self.aio = AsyncIO(num_threads=opt_config.nvme_threads,
+                           block_size=opt_config.nvme_block_size)
         self._swapped = False
 
     # ---- the states live in files -------------------------------------------------------------
@@ -217,26 +220,33 @@ class NvmeZeroOptimizer(ZeroOptimizer):
         return 0.0 if no_weight_decay(seg.name, seg.param) else self.config.weight_decay
 
     def _update(self, lr: float, grad_scale: float) -> None:
-        """Stream the sub-groups: read g + 1 and write g - 1 while g steps."""
+        """Stream the sub-groups through k slots: while g steps, g + 1 .. g + k - 1 are read
+        (or waiting for their slot's previous sub-group to reach the disk) and g - 1 is being
+        written."""
         self.views  # noqa: B018 - the swap files exist from here on
         self._grads_to_host()
-        groups, writes = self.groups, [[], []]
-        reads = self._read(groups[0], self.slots[0])
-        for n, g in enumerate(groups):
-            slot = self.slots[n % 2]
-            for h in reads:
+        groups, k = self.groups, len(self.slots)
+        writes, reads = [[] for _ in range(k)], {}
+
+        def start_read(m: int) -> None:
+            for h in writes[m % k]:  # the slot's previous sub-group is on disk
                 self.aio.wait(h)
-            if n + 1 < len(groups):
-                other = (n + 1) % 2
-                for h in writes[other]:  # the slot's previous sub-group is on disk
-                    self.aio.wait(h)
-                reads = self._read(groups[n + 1], self.slots[other])
+            reads[m] = self._read(groups[m], self.slots[m % k])
+
+        for m in range(min(k - 1, len(groups))):
+            start_read(m)
+        for n, g in enumerate(groups):
+            slot = self.slots[n % k]
+            for h in reads.pop(n):
+                self.aio.wait(h)
+            if n + k - 1 < len(groups):
+                start_read(n + k - 1)
             views = self._segment_views(g, slot)
             self.rule.apply(views, step=self.step_count, lr=lr, grad_scale=grad_scale,
                             params=self.param_table)
             for (i, lo, _), v in zip(g.pieces, views):
                 self._write_model(self.layout.segments[i], lo, v.main)
-            writes[n % 2] = self._write(g, slot)
+            writes[n % k] = self._write(g, slot)
         self.params.flush()
         self.aio.wait_all()
 

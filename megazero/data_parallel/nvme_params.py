@@ -41,11 +41,11 @@ class SwappedParams(PartitionedParams):
     swapped = True
 
     def __init__(self, layout, persistent_bucket, dtype, device, *, fill, nvme_path: str,
-                 rank: int, num_threads: int = 4):
+                 rank: int, num_threads: int = 4, block_size: int = 1 << 20):
         self.swap_dir = swap_directory(nvme_path, "params", rank)
         remove_at_exit(self, self.swap_dir)
         self.path = os.path.join(self.swap_dir, "params.bin")
-        self.aio = AsyncIO(num_threads=num_threads)
+        self.aio = AsyncIO(num_threads=num_threads, block_size=block_size)
         self._dirty = None  # (bucket index, host buffer) of the write-back buffer
         self.bytes_read = self.bytes_written = 0
         super().__init__(layout, persistent_bucket, dtype, device, fill=fill)
@@ -140,7 +140,8 @@ def swapped_params(opt_config, ps):
     def build(layout, persistent_bucket, dtype, device, *, fill):
         return SwappedParams(layout, persistent_bucket, dtype, device, fill=fill,
                              nvme_path=opt_config.nvme_path, rank=ps.rank,
-                             num_threads=opt_config.nvme_threads)
+                             num_threads=opt_config.nvme_threads,
+                             block_size=opt_config.nvme_block_size)
     return build
 
 

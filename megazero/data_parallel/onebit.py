@@ -59,6 +59,13 @@ class CompressedAdamBase(ZeroOptimizer):
         if opt_config.cpu_offload or opt_config.cpu_torch_adam:
             raise ValueError(f"--optimizer {name} steps on the parameters' device: drop "
                              "--cpu-offload / --cpu-torch-adam")
+        runs_on = "nccl" if ps.device.type == "cuda" else "gloo"
+        if opt_config.compressed_comm_backend not in (None, runs_on):
+            raise ValueError(
+                f"ds_config optimizer.params.comm_backend_name is "
+                f"{opt_config.compressed_comm_backend}, but {name}'s compressed exchange runs "
+                f"on the data-parallel group's {runs_on} ({ps.device.type} tensors): set "
+                f"{runs_on} or drop the key")
         super().__init__(model_chunks, opt_config, ps, lr_scheduler=lr_scheduler,
                          unit_policy=unit_policy)
         self.compressor = None

@@ -205,6 +205,7 @@ class Zero3Optimizer(ZeroOptimizer):
         gatherer = UnitGatherer(layout, units, storage.owned_chunk, ps.dp_group, dtype=dtype,
                                 device=ps.device, prefetch=opt_config.zero_prefetch,
                                 max_live=opt_config.zero_max_live_parameters,
+                                prefetch_numel=opt_config.zero_prefetch_bucket_size,
                                 check_order=opt_config.zero3_order_check,
                                 resident=not storage.swapped)
         if gatherer.resident:  # nothing to gather: parameters are views of the partition

@@ -115,7 +115,8 @@ class UnitGatherer:
 
     def __init__(self, layout: FlatLayout, units: list[Unit], owned_chunk, dp_group, *,
                  dtype: torch.dtype, device: torch.device, prefetch: bool, check_order: bool,
-                 max_live: int | None = None, resident: bool = True):
+                 max_live: int | None = None, prefetch_numel: int | None = None,
+                 resident: bool = True):
         self.layout, self.units, self.owned_chunk = layout, units, owned_chunk
         self.dp_group, self.dp_size = dp_group, comm.group_size(dp_group)
         # At dp 1 the parameters stay views of the owned chunks (nothing to gather), unless
@@ -124,6 +125,8 @@ class UnitGatherer:
         self.dtype, self.device = dtype, device
         self.prefetch, self.check_order = prefetch, check_order
         self.max_live = max_live  # elements gathered beyond which nothing is prefetched
+        # elements of the units ahead kept prefetched; None: the next unit only
+        self.prefetch_numel = prefetch_numel
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         # Buffers are made from this prototype (``new_empty``): gathers also run in module
         # backward hooks, where a fake tensor (the dry run) carries its mode and a factory
@@ -173,10 +176,27 @@ class UnitGatherer:
                 full, _ = self._start_gather(b, async_op=False)
             fulls.append(full)
         self.materialize(unit, fulls)
-        nxt = unit.index + direction
-        if self.prefetch and prefetch and 0 <= nxt < len(self.units) \
-                and self.units[nxt].chunk == unit.chunk and self._fits(self.units[nxt]):
-            self._prefetch(self.units[nxt])
+        if self.prefetch and prefetch:
+            for ahead in self._ahead(unit, direction):
+                self._prefetch(ahead)
+
+    def _ahead(self, unit: Unit, direction: int) -> list[Unit]:
+        """The units to have in flight after ``unit``: the next one (``prefetch_numel``
+        None), else the following units of its chunk while their elements sum to at most
+        ``prefetch_numel`` (DeepSpeed's stage3_prefetch_bucket_size); each within
+        ``max_live``."""
+        out, numel, nxt = [], 0, unit.index + direction
+        while 0 <= nxt < len(self.units) and self.units[nxt].chunk == unit.chunk:
+            cand = self.units[nxt]
+            numel += sum(self.layout.buckets[b].numel for b in cand.buckets)
+            if self.prefetch_numel is not None and numel > self.prefetch_numel \
+                    or not self._fits(cand):
+                break
+            out.append(cand)
+            if self.prefetch_numel is None:
+                break
+            nxt += direction
+        return out
 
     def _fits(self, unit: Unit) -> bool:
         """Whether gathering ``unit`` too keeps the live elements within ``max_live``."""
