@@ -197,9 +197,8 @@ def llama_cases(args, rand, grad_like):
 
 
 def optim_cases(args):
-    """Multi-tensor optimizer steps on the GPU: FusedAdam (torch's fused kernel for fp32 since
-    it measured 0.69x it; megazero's own kernel shown with bias correction off, the case it
-    still serves) against torch's fused and foreach AdamW."""
+    """Multi-tensor optimizer steps on the GPU against torch's fused and foreach AdamW: FusedAdam
+    (torch's kernel for fp32) and megazero's own kernel (with bias correction off)."""
     from megazero.ops.cuda_optim import FusedAdam, FusedLamb
 
     shapes = [(args.hidden, 4 * args.hidden)] * 48 + [(4 * args.hidden,)] * 48

@@ -13,136 +13,12 @@ Pure data: nothing here knows torch.distributed.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 
-from megazero.config.checks import ConfigError
-
-
-class DeepSpeedConfigError(ConfigError):
-    """A ds_config key, value or combination megazero cannot run with."""
-
-
-_BOOL, _STR, _DICT = "bool", "str", "dict"
-
-
-def _int(low):
-    return ("int", low)
-
-
-def _float(low, *, positive=False):
-    return ("float", low, positive)
-
-
-def _choice(*values):
-    return ("choice", values)
-
-
-# offload_optimizer: buffer_count, fast_init and pipeline_read/write tune DeepSpeed's swapper;
-# megazero always streams through two slots, reading ahead and writing behind
-_OFFLOAD = {"device": _choice("none", "cpu", "nvme"), "pin_memory": _BOOL, "nvme_path": _STR,
-            "buffer_count": _int(1), "fast_init": _BOOL, "pipeline_read": _BOOL,
-            "pipeline_write": _BOOL}
-SCHEMA = {
-    "train_batch_size": _int(1), "train_micro_batch_size_per_gpu": _int(1),
-    "gradient_accumulation_steps": _int(1), "gradient_clipping": _float(0.0),
-    "steps_per_print": _int(1), "wall_clock_breakdown": _BOOL,
-    "fp16": {"enabled": _BOOL, "loss_scale": _float(0.0), "initial_scale_power": _int(0),
-             "loss_scale_window": _int(1), "hysteresis": _int(1),
-             "min_loss_scale": _float(0.0, positive=True)},
-    "bf16": {"enabled": _BOOL},
-    "optimizer": {"type": _choice("Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam"),
-                  "params": _DICT},
-    "scheduler": {"type": _choice("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"),
-                  "params": _DICT},
-    "zero_optimization": {
-        "stage": _choice(0, 1, 2, 3), "offload_optimizer": _OFFLOAD,
-        # offload_param's buffer_count/buffer_size/max_in_cpu tune DeepSpeed's pool of
-        # parameter buffers; megazero reads each unit's chunk when it is gathered (no pool)
-        "offload_param": {"device": _choice("none", "nvme"), "nvme_path": _STR,
-                          "pin_memory": _BOOL, "buffer_count": _int(1),
-                          "buffer_size": _float(0.0), "max_in_cpu": _float(0.0)},
-        "sub_group_size": _int(1), "overlap_comm": _BOOL,
-        "contiguous_gradients": _choice(True), "reduce_bucket_size": _int(1),
-        "allgather_bucket_size": _int(1), "stage3_prefetch_bucket_size": _int(0),
-        "stage3_param_persistence_threshold": _int(0), "stage3_max_live_parameters": _int(1),
-        "reduce_scatter": _choice(True),
-        "allgather_partitions": _choice(True)},
-    "activation_checkpointing": {"partition_activations": _BOOL,
-                                 "contiguous_memory_optimization": _choice(False),
-                                 "cpu_checkpointing": _BOOL},
-    "tensorboard": {"enabled": _BOOL, "output_path": _STR, "job_name": _STR},
-    "wandb": {"enabled": _BOOL, "project": _STR},
-    # the NVMe I/O engine: thread_count is --nvme-threads; megazero's engine moves requests
-    # in 1 MiB blocks with one thread pool (block_size, queue_depth, single_submit and
-    # overlap_events tune libaio and are accepted without effect)
-    "aio": {"thread_count": _int(1), "block_size": _int(1), "queue_depth": _int(1),
-            "single_submit": _BOOL, "overlap_events": _BOOL},
-}
-_ADAM = {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
-         "weight_decay": _float(0.0), "adam_w_mode": _BOOL, "torch_adam": _BOOL,
-         "bias_correction": _BOOL, "amsgrad": _choice(False)}
-OPTIMIZER_PARAMS = {
-    "Adam": _ADAM, "AdamW": _ADAM,
-    # comm_backend_name: megazero's compressed exchange runs on the dp process group's own
-    # backend (NCCL with GPUs, gloo on CPU); cuda_aware concerns MPI, which megazero lacks
-    "OneBitAdam": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
-                   "weight_decay": _float(0.0), "freeze_step": _int(1), "bias_correction": _BOOL,
-                   "cuda_aware": _choice(False), "comm_backend_name": _choice("nccl", "gloo")},
-    "ZeroOneAdam": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
-                    "weight_decay": _float(0.0), "var_freeze_step": _int(1),
-                    "bias_correction": _BOOL,
-                    "var_update_scaler": _int(1), "local_step_scaler": _int(1),
-                    "local_step_clipper": _int(1), "cuda_aware": _choice(False),
-                    "comm_backend_name": _choice("nccl", "gloo")},
-    "Lamb": {"lr": _float(0.0), "betas": "betas", "eps": _float(0.0, positive=True),
-             "weight_decay": _float(0.0), "bias_correction": _choice(True),
-             "max_coeff": _choice(10.0), "min_coeff": _choice(0.01)},
-}
-_WARMUP = {"warmup_min_lr": _float(0.0), "warmup_max_lr": _float(0.0),
-           "warmup_num_steps": _int(2), "warmup_type": _choice("log", "linear")}
-SCHEDULER_PARAMS = {
-    "WarmupLR": _WARMUP,
-    "WarmupDecayLR": {**_WARMUP, "total_num_steps": _int(1)},
-    "WarmupCosineLR": {"total_num_steps": _int(1), "warmup_min_ratio": _float(0.0),
-                       "cos_min_ratio": _float(0.0), "warmup_num_steps": _int(2),
-                       "warmup_type": _choice("log", "linear")},
-}
-REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",)}
-# DeepSpeed keys megazero does not have: key path -> what to do instead
-REFUSED = {
-    "optimizer.type=OneBitLamb": "1-bit LAMB is not available; use Lamb",
-    "zero_optimization.offload_param.device=cpu": "megazero offloads parameters to NVMe "
-                                                  "(device nvme, stage 3); use nvme or none",
-    "activation_checkpointing.number_checkpoints": "use --recompute-num-layers",
-    "activation_checkpointing.synchronize_checkpoint_boundary": "drop it",
-    "activation_checkpointing.profile": "use --log-timers",
-    "zero_optimization.stage3_max_reuse_distance": "drop it (megazero frees each unit after "
-                                                   "its forward and backward)",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "megazero's checkpoints are "
-                                                                   "layout-free; drop it",
-    "zero_optimization.round_robin_gradients": "drop it",
-    "amp": "use bf16 or fp16", "communication_data_type": "drop it (gradients are reduced "
-                                                          "in the parameters' dtype)",
-    "prescale_gradients": "drop it", "gradient_predivide_factor": "drop it",
-    "sparse_gradients": "drop it", "flops_profiler": "use --profile (torch.profiler)",
-    "compression_training": "drop it", "data_efficiency": "drop it", "elasticity": "drop it",
-    "autotuning": "use python -m megazero.plan when available, or the dry run",
-    "comms_logger": "use megazero's comm statistics",
-    "checkpoint": "drop it (checkpoints are always layout-free)",
-    "zero_allow_untested_optimizer": "drop it", "zero_force_ds_cpu_optimizer": "drop it",
-    "sparse_attention": "drop it", "pipeline": "use --pipeline-model-parallel-size",
-    "curriculum_learning": "drop it", "csv_monitor": "use tensorboard or wandb",
-    "memory_breakdown": "use --log-memory", "progressive_layer_drop": "drop it",
-    "quantize_training": "drop it", "hybrid_engine": "drop it", "torch_autocast": "use bf16",
-    "compile": "use --compile (torch.compile on each transformer layer of megazero's GPT "
-               "model; DeepSpeed's block configures DeepCompile, which megazero does not "
-               "have)",
-    "wandb.team": "drop it (wandb reads WANDB_ENTITY)",
-    "wandb.group": "drop it", "fp16.auto_cast": "drop it", "fp16.consecutive_hysteresis":
-        "drop it (megazero's hysteresis resets after a clean step)",
-}
+from megazero.config import deepspeed_schema as schema
+from megazero.config.deepspeed_schema import DeepSpeedConfigError, check
+from megazero.config.optimizer import IO_ALIGN
 
 
 @dataclass
@@ -198,55 +74,6 @@ def load_ds_config(source) -> dict:
     return cfg
 
 
-def _check_value(path: str, value, spec) -> None:
-    if spec == _BOOL:
-        ok, want = isinstance(value, bool), "true or false"
-    elif spec == _STR:
-        ok, want = isinstance(value, str), "a string"
-    elif spec == _DICT:
-        ok, want = isinstance(value, dict), "an object"
-    elif spec == "betas":
-        ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-            for b in value)
-        want = "two numbers in [0, 1)"
-    elif spec[0] == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= spec[1]
-        want = f"an integer >= {spec[1]}"
-    elif spec[0] == "float":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and math.isfinite(value) and (value > spec[1] if spec[2] else value >= spec[1])
-        want = f"a finite number {'>' if spec[2] else '>='} {spec[1]}"
-    else:  # choice
-        ok = any(value == c and type(value) is type(c) or (isinstance(c, float)
-                 and isinstance(value, (int, float)) and value == c) for c in spec[1])
-        want = "one of " + ", ".join(json.dumps(c) for c in spec[1])
-    if not ok:
-        raise DeepSpeedConfigError(f"ds_config {path}: {json.dumps(value)} is not {want}")
-
-
-def _walk(cfg: dict, schema: dict, prefix: str = "") -> None:
-    if not isinstance(cfg, dict):
-        raise DeepSpeedConfigError(f"ds_config {prefix.rstrip('.')} must be an object, got "
-                                   f"{json.dumps(cfg)}")
-    for key, value in cfg.items():
-        path = prefix + key
-        if path in REFUSED:
-            raise DeepSpeedConfigError(f"ds_config {path} is not supported by megazero: "
-                                       f"{REFUSED[path]}")
-        refused_value = f"{path}={value}"
-        if refused_value in REFUSED:
-            raise DeepSpeedConfigError(f"ds_config {path} {json.dumps(value)} is not "
-                                       f"supported by megazero: {REFUSED[refused_value]}")
-        if key not in schema:
-            raise DeepSpeedConfigError(f"ds_config has an unknown key {path!r}; valid keys "
-                                       f"here: {', '.join(sorted(schema))}")
-        if isinstance(schema[key], dict):
-            _walk(value, schema[key], path + ".")
-        else:
-            _check_value(path, value, schema[key])
-
-
 def _batch(cfg: dict, dp: int) -> tuple[int, int, int]:
     """(micro, accumulation, train batch) as DeepSpeed resolves them."""
     tb, mb = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu")
@@ -278,7 +105,7 @@ def _batch(cfg: dict, dp: int) -> tuple[int, int, int]:
 def parse_ds_config(source, world_size: int, tp: int = 1, pp: int = 1) -> DeepSpeedSettings:
     """Check a ds_config (dict or JSON path) and translate it (see the module docstring)."""
     cfg = load_ds_config(source)
-    _walk(cfg, SCHEMA)
+    check(cfg)
     dp = world_size // (tp * pp)
     mb, gas, tb = _batch(cfg, dp)
     f: dict = {"train.micro_batch_size": mb, "train.global_batch_size": tb}
@@ -302,8 +129,14 @@ def parse_ds_config(source, world_size: int, tp: int = 1, pp: int = 1) -> DeepSp
     _optimizer(cfg.get("optimizer"), f)
     scheduler = _scheduler(cfg.get("scheduler"))
     _zero(cfg.get("zero_optimization", {}), f)
-    if "thread_count" in cfg.get("aio", {}):
-        f["optimizer.nvme_threads"] = cfg["aio"]["thread_count"]
+    aio = cfg.get("aio", {})
+    if "thread_count" in aio:
+        f["optimizer.nvme_threads"] = aio["thread_count"]
+    if "block_size" in aio:
+        if aio["block_size"] % IO_ALIGN:
+            raise DeepSpeedConfigError(f"ds_config aio.block_size: {aio['block_size']} is not "
+                                       f"a multiple of {IO_ALIGN} (O_DIRECT's alignment)")
+        f["optimizer.nvme_block_size"] = aio["block_size"]
     ac = cfg.get("activation_checkpointing", {})
     if ac.get("partition_activations"):
         f["model.recompute_activations"] = True
@@ -332,7 +165,6 @@ def _optimizer(opt: dict | None, f: dict) -> None:
     if kind is None:
         raise DeepSpeedConfigError("ds_config optimizer needs a type (Adam, AdamW, Lamb)")
     params = opt.get("params", {})
-    _walk(params, OPTIMIZER_PARAMS[kind], "optimizer.params.")
     f["optimizer.optimizer"] = {"Lamb": "lamb", "OneBitAdam": "onebitadam",
                                 "ZeroOneAdam": "zerooneadam"}.get(kind, "adam")
     if kind in ("OneBitAdam", "ZeroOneAdam"):  # DeepSpeed's add the decay to the update
@@ -341,6 +173,8 @@ def _optimizer(opt: dict | None, f: dict) -> None:
                     "local_step_clipper"):
             if key in params:
                 f[f"optimizer.{key}"] = params[key]
+        if "comm_backend_name" in params:
+            f["optimizer.compressed_comm_backend"] = params["comm_backend_name"]
     elif kind != "Lamb":
         # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; "AdamW" always
         f["optimizer.adam_w_mode"] = params.get("adam_w_mode", True) if kind == "Adam" \
@@ -367,8 +201,7 @@ def _scheduler(s: dict | None) -> tuple[str, dict] | None:
         raise DeepSpeedConfigError("ds_config scheduler needs a type (WarmupLR, WarmupDecayLR, "
                                    "WarmupCosineLR)")
     params = s.get("params", {})
-    _walk(params, SCHEDULER_PARAMS[kind], "scheduler.params.")
-    missing = [k for k in REQUIRED.get(kind, ()) if k not in params]
+    missing = [k for k in schema.REQUIRED.get(kind, ()) if k not in params]
     if missing:
         raise DeepSpeedConfigError(f"ds_config scheduler {kind} needs scheduler.params."
                                    f"{missing[0]}")
@@ -381,6 +214,8 @@ def _zero(z: dict, f: dict) -> None:
     off = z.get("offload_optimizer", {})
     if off.get("device") == "cpu":
         f["optimizer.cpu_offload"] = True
+    if "buffer_count" in off:
+        f["optimizer.nvme_buffer_count"] = off["buffer_count"]
     if off.get("device") == "nvme":
         if "nvme_path" not in off:
             raise DeepSpeedConfigError("ds_config zero_optimization.offload_optimizer.device "
@@ -413,7 +248,10 @@ def _zero(z: dict, f: dict) -> None:
     if reduce or gather:
         f["optimizer.zero_reduce_bucket_size"] = reduce or gather
     if "stage3_prefetch_bucket_size" in z:
-        f["optimizer.zero_prefetch"] = z["stage3_prefetch_bucket_size"] > 0
+        size = z["stage3_prefetch_bucket_size"]
+        f["optimizer.zero_prefetch"] = size > 0
+        if size > 0:
+            f["optimizer.zero_prefetch_bucket_size"] = size
     if "stage3_max_live_parameters" in z:
         f["optimizer.zero_max_live_parameters"] = z["stage3_max_live_parameters"]
     if "stage3_param_persistence_threshold" in z:
