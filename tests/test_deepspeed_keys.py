@@ -160,3 +160,10 @@ def test_refusals_are_named_together():
     with pytest.raises(S.DeepSpeedConfigError) as exc:
         parse_ds_config(cfg, world_size=1)
     assert "aio.queue_depth" in str(exc.value) and "amp" in str(exc.value)
+
+
+def test_the_block_size_alignment_is_the_io_engines():
+    from megazero.config.optimizer import IO_ALIGN
+    from megazero.ops.aio import ALIGN
+
+    assert IO_ALIGN == ALIGN

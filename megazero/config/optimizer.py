@@ -13,7 +13,7 @@ from megazero.config.checks import (
     _optional_int_at_least,
 )
 
-IO_ALIGN = 4096  # bytes: megazero.ops.aio.ALIGN (tests/test_deepspeed_config.py holds them equal)
+IO_ALIGN = 4096  # bytes: megazero.ops.aio.ALIGN (tests/test_deepspeed_keys.py holds them equal)
 
 
 @dataclass
