@@ -10,7 +10,10 @@ subprocesses, in two pairs:
   (ZeRO-Infinity: the parameter partition in a swap file too, read unit by unit when
   gathered).
 
-Each run reports the median "elapsed time per iteration" after its first two iterations, the
+The four runs go in ``--rounds`` rounds, one after another within a round and the order
+rotated from round to round, so that load hits both runs of a pair alike; a run's step time is
+the median "elapsed time per iteration" after its first two iterations over all rounds (its
+ratio is to the host-memory run of its pair, from the same rounds), and it reports the
 losses (identical within a pair: the NVMe step is the CPU-offloaded step), and, read by a
 small wrapper: its peak RSS (``ru_maxrss``), its peak virtual size (``VmPeak``), and its
 steady RSS: the anonymous resident bytes (``RssAnon``, after ``malloc_trim``) at the end of
@@ -23,7 +26,7 @@ the parameters) less the slots. Then the ZeRO-1 pair runs again under an address
 (``RLIMIT_AS``) halfway between the two runs' ``VmPeak``: the NVMe run must train, the
 host-memory run must fail, and the table shows its error.
 
-    python benchmarks/bench_nvme.py [--dir DIR] [--layers 8 --hidden 1024 --iters 6]
+    python benchmarks/bench_nvme.py [--dir DIR] [--layers 8 --hidden 1024 --iters 6 --rounds 2]
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the four runs")
     ap.add_argument("--sub-group", type=int, default=1 << 22,
                     help="--nvme-sub-group-size (elements per streamed sub-group)")
     args = ap.parse_args()
@@ -114,13 +118,20 @@ def main():
             "ZeRO-3 nvme (states + params)": base + [
                 "--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param", "nvme",
                 *nvme]}
-        results = {}
-        for name, flags in modes.items():
-            results[name] = r = run(flags, {})
-            if r["rc"] != 0:
-                print(f"{name} failed:\n{r['tail']}")
+        names, rounds = list(modes), []
+        for k in range(args.rounds):
+            order = names[k % len(names):] + names[:k % len(names)]
+            rounds.append({name: run(modes[name], {}) for name in order})
+            failed = [n for n, r in rounds[-1].items() if r["rc"] != 0]
+            if failed:
+                print(f"{failed[0]} failed:\n{rounds[-1][failed[0]]['tail']}")
                 return 1
-        names = list(modes)
+        results = {name: {**rounds[-1][name], "times": [t for r in rounds
+                                                        for t in r[name]["times"][2:]],
+                          "steady": max(r[name]["steady"] for r in rounds),
+                          "rss": max(r[name]["rss"] for r in rounds),
+                          "vm": max(r[name]["vm"] for r in rounds)}
+                   for name in names}
         cpu, nv = results[names[0]], results[names[1]]
         limit = (cpu["vm"] + nv["vm"]) // 2
         budget = {name: run(modes[name], {"BENCH_AS_LIMIT": str(limit)}) for name in names[:2]}
@@ -131,22 +142,24 @@ def main():
     print(f"GPT-2 {args.layers} layers x {args.hidden}, vocab {args.vocab}: about "
           f"{n_params / 1e6:.0f}M parameters, {states * mb:.0f} MiB of fp32 main values and "
           f"moments; {args.iters} iterations at dp 1, OMP_NUM_THREADS=2; sub-groups of "
-          f"{args.sub_group} elements (slots {slots * mb:.0f} MiB); NVMe dir {args.dir}")
+          f"{args.sub_group} elements (slots {slots * mb:.0f} MiB); NVMe dir {args.dir}; "
+          f"{args.rounds} interleaved rounds (step: median of iterations 3+ of every round; "
+          "RSS and VmPeak: the largest of the rounds)")
     print("| run | step ms (median, iters 3+) | ratio | steady RSS MiB | peak RSS MiB | "
           f"VmPeak MiB | under RLIMIT_AS {limit * mb:.0f} MiB |")
     print("|---|---:|---:|---:|---:|---:|---|")
     same = True
     for pair in (names[:2], names[2:]):
-        ref = statistics.median(results[pair[0]]["times"][2:])
+        ref = statistics.median(results[pair[0]]["times"])
         for name in pair:
             r = results[name]
-            t = statistics.median(r["times"][2:])
+            t = statistics.median(r["times"])
             b = budget.get(name)
             under = "" if b is None else f"trains ({len(b['losses'])} iterations)" \
                 if b["rc"] == 0 else f"fails: {b['error']}"
             print(f"| {name} | {t:.0f} | {t / ref:.2f}x | {r['steady'] * mb:.0f} | "
                   f"{r['rss'] * mb:.0f} | {r['vm'] * mb:.0f} | {under} |")
-        same &= results[pair[0]]["losses"] == results[pair[1]]["losses"]
+        same &= all(r[pair[0]]["losses"] == r[pair[1]]["losses"] for r in rounds)
     for pair, target in ((names[:2], states - slots),
                          (names[2:], states + 4 * n_params - slots)):
         a, b = results[pair[0]], results[pair[1]]

@@ -145,7 +145,7 @@ def test_every_refused_key_is_refused_by_name(key):
         if value:
             value = {"False": False, "True": True}.get(value, value)
         else:
-            value = {}  if path.split(".")[-1] in ("amp", "flops_profiler", "compile",
+            value = {} if path.split(".")[-1] in ("amp", "flops_profiler", "compile",
                                                      "pipeline") else 1
         cfg = _set(_base(path, "Adam"), path, value)
         if path.startswith("optimizer.params."):
