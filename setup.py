@@ -271,8 +271,10 @@ setup(
     packages=find_packages(include=["megazero", "megazero.*"]),
     install_requires=["torch>=2.3", "numpy", "regex", "sentencepiece"],
     extras_require={
+        # transformers: tests/test_hf.py loads the HF export in GPT2LMHeadModel (it has no
+        # torch requirement of its own, so the pinned CPU build stays)
         "test": ["pytest>=7", "pytest-timeout", "ruff", "matplotlib", "safetensors",
-                 "tensorboard", "wandb"],
+                 "tensorboard", "wandb", "transformers>=4.40"],
         "wandb": ["wandb"],
         "plot": ["matplotlib"],
         "hf": ["safetensors"],
