@@ -218,8 +218,8 @@ class OptimizerConfig:
         _int_at_least(self.nvme_threads, "--nvme-threads", 1)
         _int_at_least(self.nvme_buffer_count, "--nvme-buffer-count", 2)
         _check(self.nvme_block_size >= IO_ALIGN and self.nvme_block_size % IO_ALIGN == 0,
-               f"--nvme-block-size must be a positive multiple of {IO_ALIGN} bytes (O_DIRECT's "
-               f"alignment), got {self.nvme_block_size}")
+               f"--nvme-block-size must be >= {IO_ALIGN} and a multiple of {IO_ALIGN} bytes "
+               f"(O_DIRECT's alignment), got {self.nvme_block_size}")
         _check(not (self.offload_optimizer == "nvme" and self.zero_stage not in (1, 2, 3)),
                "--offload-optimizer nvme needs --zero-stage 1, 2 or 3")
         _check(not (self.offload_optimizer == "nvme" and self.optimizer not in ("adam", "sgd")),
