@@ -251,3 +251,8 @@ def test_nvme_buffer_count_and_block_size_size_the_io_not_the_step(tmp_path):
     with pytest.raises(ConfigError, match="--nvme-block-size"):
         OptimizerConfig(zero_stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path),
                         nvme_block_size=5000)
+    # sizes of an NVMe offload that is not there are refused, not ignored
+    with pytest.raises(ConfigError, match="--nvme-buffer-count .* --offload-optimizer nvme"):
+        OptimizerConfig(zero_stage=2, cpu_offload=True, nvme_buffer_count=4)
+    with pytest.raises(ConfigError, match="--nvme-block-size .* needs --offload-optimizer"):
+        OptimizerConfig(zero_stage=2, nvme_block_size=8192)

@@ -423,3 +423,9 @@ def test_zero3_prefetch_bucket_size_prefetches_that_many_elements_ahead():
         assert l_wide == l_def == l_one
         assert peak_def == peak_one == 2 * layer * 4
         assert peak_wide == 4 * layer * 4
+    from megazero.config import ConfigError, OptimizerConfig
+
+    with pytest.raises(ConfigError, match="--zero-prefetch-bucket-size .* --zero-stage 3"):
+        OptimizerConfig(zero_stage=2, zero_prefetch_bucket_size=layer)
+    with pytest.raises(ConfigError, match="without --no-zero-prefetch"):
+        OptimizerConfig(zero_stage=3, zero_prefetch=False, zero_prefetch_bucket_size=layer)

@@ -187,6 +187,10 @@ class OptimizerConfig:
                       "--zero-param-persistence-threshold", 0)
         _optional_int_at_least(self.zero_max_live_parameters, "--zero-max-live-parameters", 1)
         _optional_int_at_least(self.zero_prefetch_bucket_size, "--zero-prefetch-bucket-size", 1)
+        _check(self.zero_prefetch_bucket_size is None
+               or (self.zero_stage == 3 and self.zero_prefetch),
+               "--zero-prefetch-bucket-size sizes ZeRO-3's prefetch: it needs --zero-stage 3 "
+               f"(got {self.zero_stage}) without --no-zero-prefetch")
         _finite(self.clip_grad, "--clip-grad", positive=False)
         _int_at_least(self.hysteresis, "--hysteresis", 1)
         _int_at_least(self.loss_scale_window, "--loss-scale-window", 1)
@@ -220,6 +224,13 @@ class OptimizerConfig:
         _check(self.nvme_block_size >= IO_ALIGN and self.nvme_block_size % IO_ALIGN == 0,
                f"--nvme-block-size must be >= {IO_ALIGN} and a multiple of {IO_ALIGN} bytes "
                f"(O_DIRECT's alignment), got {self.nvme_block_size}")
+        _check(self.nvme_buffer_count == 2 or self.offload_optimizer == "nvme",
+               "--nvme-buffer-count sizes the NVMe optimizer step's host slots: it needs "
+               "--offload-optimizer nvme")
+        _check(self.nvme_block_size == 1 << 20 or self.offload_optimizer == "nvme"
+               or self.offload_param == "nvme",
+               "--nvme-block-size sizes the NVMe offload's I/O: it needs --offload-optimizer "
+               "nvme or --offload-param nvme")
         _check(not (self.offload_optimizer == "nvme" and self.zero_stage not in (1, 2, 3)),
                "--offload-optimizer nvme needs --zero-stage 1, 2 or 3")
         _check(not (self.offload_optimizer == "nvme" and self.optimizer not in ("adam", "sgd")),
