@@ -229,6 +229,7 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
     dp_link = system.group_link(lay.tp, lay.dp)
     eff = system.efficiency.network
     g = rt.grad_bytes or e
+    window = 0.0  # the compute an overlapped dp collective hides behind
     if lay.dp > 1:
         if lay.zero == 0:
             reduce = ring_time(dp_link, stage_params * g, lay.dp, "ar", eff)
@@ -270,7 +271,8 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
     out.model_flops = model_flops_per_step(m, job.global_batch)
     out.hardware_flops = model_flops_per_step(m, job.global_batch, lay.recompute)
     out.parts = {"layer": layer, "head": head, "p2p": p2p, "per_microbatch": per_mb,
-                 "calls": calls, "compute_scale": rt.compute_scale}
+                 "calls": calls, "compute_scale": rt.compute_scale,
+                 "dp_window": window}
     return out
 
 

@@ -33,7 +33,8 @@ from megazero.plan.system import (
 )
 
 BENCH_SCHEMA = "megazero.bench_gpu_step/1"
-BASIS = "Megatron-LM 2021-level kernels (fitted to Narayanan et al. 2021)"
+BASIS = ("Megatron-LM 2021-level kernels (fitted to published Megatron-LM runs by python -m "
+         "megazero.plan.fit)")
 PEAK_TOLERANCE = 0.05  # the bench's device and the system's may differ this much in peak
 ROW_FIELDS = ("variant", "model", "num_layers", "hidden_size", "num_attention_heads",
               "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "dtype",

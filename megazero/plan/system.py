@@ -21,7 +21,7 @@ cores}).
 
 ``megazero_runtime`` (GPU systems) says where the planner's step times for megazero come from
 (``MegazeroRuntime``): ``basis`` (what uncalibrated times assume: Megatron-LM 2021-level
-kernels, the ``efficiency`` fitted to Narayanan et al. 2021), ``measured`` (megazero's own
+kernels, the ``efficiency`` fitted by ``fit.py``), ``measured`` (megazero's own
 measured GPU steps, each with its provenance: ``MEASURED_KEYS``), and once
 ``python -m megazero.plan.calibrate --gpu-step`` has fitted them, ``factors`` ({variant:
 {"factor", "leave_one_out"}}: how many times slower megazero's device compute is than the
