@@ -243,5 +243,9 @@ def test_world_of_one_and_bad_buffers():
         car.all_reduce_mean_(torch.randn(6))
     with pytest.raises(ValueError, match="contiguous fp32"):
         car.all_reduce_mean_(torch.randn(5).double())
+    strided = torch.randn(10)[::2]  # fp32, the right numel, but not contiguous
+    assert strided.numel() == 5 and not strided.is_contiguous()
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        car.all_reduce_mean_(strided)
     with pytest.raises(ValueError, match="numel >= 1"):
         CompressedAllReduce(None, 0, sign_pack)
