@@ -37,15 +37,13 @@ Targets of issue 6: model states within 5% of the formula, communication within 
 
     python benchmarks/bench_zero.py [--dp 2 4 8] [--stages 0 1 2 3] [--fp32-dp 2] \
         [--layers 8 --hidden 512 --vocab 16384 --seq 64 --iters 3] [--small-model-dp 8] \
-        [--no-order-check] [--ring auto|ring|native] [--verbose]
+        [--no-order-check] [--ring auto|ring|native] [--verbose] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import queue
 import statistics
 import sys
 import time
@@ -53,9 +51,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
 
 # bytes per parameter element: (replicated part, part divided by N) for stages 0-3
 FORMULAS = {
@@ -64,14 +65,6 @@ FORMULAS = {
 }
 COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _model_argv(args, dp, stage, precision, model):
@@ -84,21 +77,11 @@ def _model_argv(args, dp, stage, precision, model):
             f"--zero-stage {stage}")
     if precision == "bf16":
         argv += " --bf16"
-    if args.no_order_check:
+    if args.no_order_check and stage == 3:  # the check exists at ZeRO-3 only
         argv += " --no-zero3-order-check"
     if args.ring is not None:
         argv += f" --ring-collectives {args.ring}"
     return argv.split()
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _held_gathered_bytes(output: torch.Tensor, model) -> tuple[int, int] | None:
@@ -108,7 +91,8 @@ def _held_gathered_bytes(output: torch.Tensor, model) -> tuple[int, int] | None:
     parameters again. None for stages 0-2."""
     from megazero.tensor_parallel.meta import meta_of
 
-    opt = next((meta_of(p).partitioned_by for p in model.parameters()), None)
+    ref = next((meta_of(p).partitioned_by for p in model.parameters()), None)
+    opt = None if ref is None else ref()  # a weak reference to the ZeRO-3 optimizer
     if opt is None:
         return None
     import gc
@@ -117,121 +101,86 @@ def _held_gathered_bytes(output: torch.Tensor, model) -> tuple[int, int] | None:
     return opt.held_bytes(), opt.live_bytes
 
 
-def _worker(rank, world, port, argv, out, verbose, env):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ.update(env)
+def _rank(argv, verbose):
+    """One rank of one training run (``harness.spawn``): what it measured."""
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    if not verbose:  # pretrain's log lines; errors come back through ``out``
+    if not verbose:  # pretrain's log lines; errors come back through harness.spawn
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-    torch.set_num_threads(1)
-    sys.path.insert(0, REPO)
-    try:
-        import pretrain_gpt2
-        from megazero.arguments import parse_args
-        from megazero.data_parallel.layout import param_numel
-        from megazero.data_parallel.params import collect_named_params
-        from megazero.training import pretrain
+    import pretrain_gpt2
+    from megazero.arguments import parse_args
+    from megazero.data_parallel.layout import param_numel
+    from megazero.data_parallel.params import collect_named_params
+    from megazero.training import pretrain
 
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=10))
-        rss_start = _status_kb("VmRSS") * 1024
-        # Independent count of the bytes the ring collectives put on the wire.
-        wire = [0]
-        batch_isend_irecv = dist.batch_isend_irecv
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rss_start = harness.status_kib("VmRSS") * 1024
+    # Independent count of the bytes the ring collectives put on the wire.
+    wire = [0]
+    batch_isend_irecv = dist.batch_isend_irecv
 
-        def counted_batch(ops):
-            for op in ops:
-                if getattr(op.op, "__name__", "") == "isend":
-                    wire[0] += op.tensor.numel() * op.tensor.element_size()
-            return batch_isend_irecv(ops)
+    def counted_batch(ops):
+        for op in ops:
+            if getattr(op.op, "__name__", "") == "isend":
+                wire[0] += op.tensor.numel() * op.tensor.element_size()
+        return batch_isend_irecv(ops)
 
-        dist.batch_isend_irecv = counted_batch
-        marks, rss = [], {}
-        config = parse_args(argv, world_size=world)
-        iters = config.train.train_iters
+    dist.batch_isend_irecv = counted_batch
+    marks, rss = [], {}
+    config = parse_args(argv, world_size=world)
+    iters = config.train.train_iters
 
-        def forward_step(data_iterator, model):
-            # one micro-batch per step: each call starts a step; the last step is measured
-            marks.append(time.perf_counter())
-            if len(marks) == 1:
-                rss["setup_peak"] = _status_kb("VmHWM") * 1024
-            if len(marks) == iters:  # peak of the measured step alone
-                rss["run_peak_before"] = _status_kb("VmHWM") * 1024
-                rss["before_step"] = _status_kb("VmRSS") * 1024
-                rss["step_reset"] = _reset_peak_rss()
-            model.ps.comm.stats.reset()
-            wire[0] = 0
-            output, loss_func = pretrain_gpt2.forward_step(data_iterator, model)
-            if len(marks) < iters:
-                return output, loss_func
-
-            def measured_loss_func(output_tensor):  # called right after the forward
-                t0 = time.perf_counter()
-                rss["held_gathered"] = _held_gathered_bytes(output_tensor, model)
-                rss["probe_s"] = time.perf_counter() - t0  # not counted in the step time
-                return loss_func(output_tensor)
-
-            return output, measured_loss_func
-
-        history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
-                           pretrain_gpt2.model_provider, forward_step, config,
-                           zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
+    def forward_step(data_iterator, model):
+        # one micro-batch per step: each call starts a step; the last step is measured
         marks.append(time.perf_counter())
-        hwm = _status_kb("VmHWM") * 1024
-        comm_stats = history.parallel_state.comm.stats
-        stats = comm_stats.snapshot()
-        sent, wire_sent = comm_stats.total_sent(), wire[0]
-        optimizer, model = history.optimizer, history.model
-        psi = sum(param_numel(p) for _, p in collect_named_params(model))
-        steps = [b - a for a, b in zip(marks, marks[1:])]
-        steps[-1] -= rss.get("probe_s", 0.0)
-        result = {"rank": rank, "psi": psi, "memory": optimizer.memory_report(),
-                  "sent": sent, "stats": stats, "wire_sent": wire_sent,
-                  "rss_start": rss_start, "rss_setup": rss["setup_peak"],
-                  "rss_peak": max(hwm, rss["run_peak_before"]),
-                  "rss_step": hwm if rss["step_reset"] else None,
-                  "rss_before_step": rss["before_step"],
-                  "held_gathered": rss.get("held_gathered"),
-                  "padded_numel": optimizer.layout.numel,
-                  "step_s": statistics.median(steps[1:] or steps),
-                  "decisions": history.parallel_state.comm.ring_decisions(),
-                  "loss": history.history["lm loss"]}
-        out.put(("ok", result))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        import traceback
+        if len(marks) == 1:
+            rss["setup_peak"] = harness.status_kib("VmHWM") * 1024
+        if len(marks) == iters:  # peak of the measured step alone
+            rss["run_peak_before"] = harness.status_kib("VmHWM") * 1024
+            rss["before_step"] = harness.status_kib("VmRSS") * 1024
+            rss["step_reset"] = harness.reset_peak_rss()
+        model.ps.comm.stats.reset()
+        wire[0] = 0
+        output, loss_func = pretrain_gpt2.forward_step(data_iterator, model)
+        if len(marks) < iters:
+            return output, loss_func
 
-        out.put(("err", f"rank {rank}:\n{traceback.format_exc()}"))
+        def measured_loss_func(output_tensor):  # called right after the forward
+            t0 = time.perf_counter()
+            rss["held_gathered"] = _held_gathered_bytes(output_tensor, model)
+            rss["probe_s"] = time.perf_counter() - t0  # not counted in the step time
+            return loss_func(output_tensor)
+
+        return output, measured_loss_func
+
+    history = pretrain(pretrain_gpt2.train_valid_test_datasets_provider,
+                       pretrain_gpt2.model_provider, forward_step, config,
+                       zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
+    marks.append(time.perf_counter())
+    hwm = harness.status_kib("VmHWM") * 1024
+    comm_stats = history.parallel_state.comm.stats
+    stats = comm_stats.snapshot()
+    sent, wire_sent = comm_stats.total_sent(), wire[0]
+    optimizer, model = history.optimizer, history.model
+    psi = sum(param_numel(p) for _, p in collect_named_params(model))
+    steps = [b - a for a, b in zip(marks, marks[1:])]
+    steps[-1] -= rss.get("probe_s", 0.0)
+    result = {"rank": rank, "psi": psi, "memory": optimizer.memory_report(),
+              "sent": sent, "stats": stats, "wire_sent": wire_sent,
+              "rss_start": rss_start, "rss_setup": rss["setup_peak"],
+              "rss_peak": max(hwm, rss["run_peak_before"]),
+              "rss_step": hwm if rss["step_reset"] else None,
+              "rss_before_step": rss["before_step"],
+              "held_gathered": rss.get("held_gathered"),
+              "padded_numel": optimizer.layout.numel,
+              "step_s": statistics.median(steps[1:] or steps),
+              "decisions": history.parallel_state.comm.ring_decisions(),
+              "loss": history.history["lm loss"]}
+    return result
 
 
-def run_config(argv, world, timeout, verbose=False, env=None):
+def run_config(argv, world, timeout, verbose=False):
     """Per-rank results of one training run on ``world`` fresh gloo processes."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world, store.port, argv, out, verbose, env or {}))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = [], time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            status, value = out.get(timeout=max(1.0, deadline - time.monotonic()))
-            if status != "ok":
-                raise RuntimeError(value)
-            results.append(value)
-    except queue.Empty:
-        raise TimeoutError(f"{' '.join(argv)} on {world} ranks: no result in {timeout} s") \
-            from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return sorted(results, key=lambda r: r["rank"])
+    return harness.spawn(_rank, world, argv, verbose, timeout=timeout)
 
 
 def summarize(results, dp, stage, precision):
@@ -283,45 +232,51 @@ def _choice(decisions) -> str:
 
 def print_tables(rows, models):
     print("\nModel states per rank (MB = 1e6 bytes) vs the ZeRO paper; worst rank")
-    print("| N | stage | dtype | Psi | params | grads | main | opt states | total MB | "
-          "formula MB | ratio | within 5% | ZeRO-3 gathered peak MB |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    lines = []
     for r in rows:
         ratio = r["states"] / r["mem_formula"]
         b = r["breakdown"]
         peak = _mb(r["gathered_peak"]) if r["stage"] == 3 else ""
-        print(f"| {r['dp']} | {r['stage']} | {r['precision']} | {r['psi'] / 1e6:.2f}M | "
-              f"{_mb(b['params'])} | {_mb(b['grads'])} | {_mb(b['main_params'])} | "
-              f"{_mb(b['optimizer_states'])} | {_mb(r['states'])} | "
-              f"{_mb(r['mem_formula'])} | {ratio:.4f} | {_met(ratio)} | {peak} |")
+        lines.append([r["dp"], r["stage"], r["precision"], f"{r['psi'] / 1e6:.2f}M",
+                      _mb(b["params"]), _mb(b["grads"]), _mb(b["main_params"]),
+                      _mb(b["optimizer_states"]), _mb(r["states"]), _mb(r["mem_formula"]),
+                      f"{ratio:.4f}", _met(ratio), peak])
+    print(harness.markdown_table(
+        ["N", "stage", "dtype", "Psi", "params", "grads", "main", "opt states", "total MB",
+         "formula MB", "ratio", "within 5%", "ZeRO-3 gathered peak MB"], lines,
+        align="rrlrrrrrrrrlr"))
     print("\nBytes sent per rank in the measured step vs formula = {2,3} Psi x dtype bytes x "
           "(N-1)/N; 'explained' uses the padded parameter count (bucket padding); "
           "residual = sent - explained")
-    print("| N | stage | dtype | sent MB | formula MB | ratio | within 5% | explained MB | "
-          "residual B | ring wire MB | RS/AG path | calls AG/RS/AR |")
-    print("|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|---|")
+    lines = []
     for r in rows:
         ratio = r["sent"] / r["comm_formula"]
         calls = "/".join(str(r["stats"].get(k, {}).get("calls", 0))
                          for k in ("all_gather", "reduce_scatter", "all_reduce"))
-        print(f"| {r['dp']} | {r['stage']} | {r['precision']} | {_mb(r['sent'])} | "
-              f"{_mb(r['comm_formula'])} | {ratio:.4f} | {_met(ratio)} | "
-              f"{_mb(r['explained'])} | {r['sent'] - r['explained']:.0f} | {_mb(r['wire'])} | "
-              f"{_choice(r['decisions'])} | {calls} |")
+        lines.append([r["dp"], r["stage"], r["precision"], _mb(r["sent"]),
+                      _mb(r["comm_formula"]), f"{ratio:.4f}", _met(ratio), _mb(r["explained"]),
+                      f"{r['sent'] - r['explained']:.0f}", _mb(r["wire"]),
+                      _choice(r["decisions"]), calls])
+    print(harness.markdown_table(
+        ["N", "stage", "dtype", "sent MB", "formula MB", "ratio", "within 5%", "explained MB",
+         "residual B", "ring wire MB", "RS/AG path", "calls AG/RS/AR"], lines,
+        align="rrlrrrlrrrll"))
     print("\nRSS per rank (MB, worst rank): after imports, peak by the end of setup, peak of "
           "the whole run, RSS before the measured step and its peak within it; ZeRO-3: "
           "gathered buffers autograd still holds at the end of forward vs the optimizer's "
           "accounting; step time (s, median of the steps after the first, slowest rank)")
-    print("| N | stage | dtype | model states | RSS start | setup peak | run peak | "
-          "before step | step peak | ZeRO-3 held after fwd / accounted | step s |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = []
     for r in rows:
         step_peak = "n/a" if r["rss_step"] is None else _mb(r["rss_step"])
         held = "" if r["held_gathered"] is None else \
             f"{_mb(r['held_gathered'][0])} / {_mb(r['held_gathered'][1])}"
-        print(f"| {r['dp']} | {r['stage']} | {r['precision']} | {_mb(r['states'])} | "
-              f"{_mb(r['rss_start'])} | {_mb(r['rss_setup'])} | {_mb(r['rss_peak'])} | "
-              f"{_mb(r['rss_before_step'])} | {step_peak} | {held} | {r['step_s']:.2f} |")
+        lines.append([r["dp"], r["stage"], r["precision"], _mb(r["states"]),
+                      _mb(r["rss_start"]), _mb(r["rss_setup"]), _mb(r["rss_peak"]),
+                      _mb(r["rss_before_step"]), step_peak, held, f"{r['step_s']:.2f}"])
+    print(harness.markdown_table(
+        ["N", "stage", "dtype", "model states", "RSS start", "setup peak", "run peak",
+         "before step", "step peak", "ZeRO-3 held after fwd / accounted", "step s"], lines,
+        align="rrlrrrrrrrr"))
     for (dp, precision), model in sorted(models.items()):
         print(f"model for N={dp} {precision}: {model[0]} layers, hidden {model[1]}")
 
@@ -333,11 +288,7 @@ def main():
     parser.add_argument("--fp32-dp", type=int, nargs="*", default=[2],
                         help="dp sizes also run in fp32 (bf16 runs for every --dp)")
     parser.add_argument("--no-bf16", action="store_true", help="only the fp32 runs")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--seq", type=int, default=64)
+    harness.add_gpt_args(parser, layers=8, hidden=512, heads=8, seq=64, vocab=16384)
     parser.add_argument("--iters", type=int, default=3,
                         help="steps per run; the last is measured, step time is the median "
                              "of all but the first")
@@ -352,10 +303,11 @@ def main():
                              "(default: auto)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--verbose", action="store_true", help="show pretrain's log lines")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the rows, the arguments and the host here")
     args = parser.parse_args()
     if args.iters < 2:
         parser.error("--iters must be at least 2 (the first step is warm-up)")
-    env = {}
     t_start = time.perf_counter()
     configs = []
     if not args.no_bf16:
@@ -371,7 +323,7 @@ def main():
         models[(dp, precision)] = model
         t0 = time.perf_counter()
         results = run_config(_model_argv(args, dp, stage, precision, model), dp, args.timeout,
-                             args.verbose, env)
+                             args.verbose)
         row = summarize(results, dp, stage, precision)
         rows.append(row)
         print(f"N={dp} stage {stage} {precision}: {time.perf_counter() - t0:.0f} s, "
@@ -381,6 +333,11 @@ def main():
               flush=True)
     print_tables(rows, models)
     print(f"total time {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        harness.write_json(args.json, {
+            "benchmark": "bench_zero", "args": vars(args), "rows": rows,
+            "models": [{"dp": dp, "precision": p, "layers": m[0], "hidden": m[1]}
+                       for (dp, p), m in sorted(models.items())]})
 
 
 if __name__ == "__main__":

@@ -177,5 +177,11 @@ def apply_compat(ns: argparse.Namespace) -> None:
             raise ConfigError(f"--use-flash-attn contradicts --attention-backend "
                               f"{ns.attention_backend}")
         ns.attention_backend = "flash"
-    if not ns.masked_softmax_fusion and ns.attention_backend == "auto":
-        ns.attention_backend = "unfused"
+    if not ns.masked_softmax_fusion:
+        if ns.attention_backend not in ("auto", "unfused", "local"):
+            raise ConfigError(
+                "--no-masked-softmax-fusion asks for the unfused attention: it contradicts "
+                + ("--use-flash-attn" if ns.use_flash_attn
+                   else f"--attention-backend {ns.attention_backend}"))
+        if ns.attention_backend == "auto":
+            ns.attention_backend = "unfused"

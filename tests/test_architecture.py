@@ -204,7 +204,9 @@ def test_folder_tree_matches_the_architecture_doc():
     for folder in sorted(p for p in PACKAGE.iterdir() if p.is_dir() and
                          not p.name.startswith(("_", "."))):
         actual[folder.name] = {p.name for p in folder.glob("*.py")}
-    assert actual[""] == {"__init__.py", "arguments.py", "arguments_compat.py", "engine.py"}
+    assert actual[""] == {"__init__.py", "arguments.py", "arguments_compat.py",
+                          "arguments_model.py", "arguments_optim.py", "arguments_run.py",
+                          "arguments_train.py", "engine.py"}
     assert documented_tree() == actual
 
 

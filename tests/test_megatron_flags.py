@@ -87,9 +87,9 @@ def test_no_flag_is_parsed_and_ignored():
 
     fields = {f.name for cls in (ModelConfig, ParallelConfig, OptimizerConfig, DataConfig,
                                  TrainConfig) for f in dataclasses.fields(cls)}
-    from megazero import arguments
-
-    source = open(arguments_compat.__file__).read() + open(arguments.__file__).read()
+    package = os.path.dirname(arguments_compat.__file__)
+    source = "".join(open(os.path.join(package, name)).read() for name in os.listdir(package)
+                     if name.startswith("arguments") and name.endswith(".py"))
     for action in build_parser()._actions:
         dest = action.dest
         if dest == "help" or dest in fields or dest.startswith("dry_run_"):

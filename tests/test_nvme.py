@@ -70,10 +70,12 @@ def test_refusals_name_the_flags(tmp_path):
 def test_zero3_optimizer_and_parameters_on_nvme_equal_cpu_offload_bit_for_bit(tmp_path, world):
     base = TINY + " --train-iters 4 --zero-stage 3"
     cpu = run_training(base + " --cpu-offload", world)
-    nvme = f" --nvme-path {tmp_path} --nvme-sub-group-size 3000"
-    states = run_training(base + " --offload-optimizer nvme" + nvme, world)
+    nvme = f" --nvme-path {tmp_path}"
+    states = run_training(base + " --offload-optimizer nvme --nvme-sub-group-size 3000" + nvme,
+                          world)
     assert_same_run(states, cpu, rtol=0, what="ZeRO-3 optimizer states on NVMe")
-    both = run_training(base + " --offload-optimizer nvme --offload-param nvme" + nvme, world)
+    both = run_training(base + " --offload-optimizer nvme --offload-param nvme "
+                        "--nvme-sub-group-size 3000" + nvme, world)
     assert_same_run(both, cpu, rtol=0, what="ZeRO-3 states and parameters on NVMe")
     params = run_training(base + " --cpu-offload --offload-param nvme" + nvme, world)
     assert_same_run(params, cpu, rtol=0, what="ZeRO-3 parameters on NVMe")

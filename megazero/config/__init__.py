@@ -2,7 +2,9 @@
 
 Every cross-check lives in a ``__post_init__`` and raises ``ConfigError`` with a message that
 names the command-line flags involved, so a wrong launch fails before any process group or
-tensor is created. Every numeric field is checked against its valid range (finite where a
+tensor is created. A flag that acts in one mode only is a ``Needs`` entry of its section's
+table (``MODES``): given outside that mode it is refused by name (``check_given``), never
+parsed and ignored. Every numeric field is checked against its valid range (finite where a
 float must be: ``--lr inf`` is an error), and the message names the flag, the value and the
 range (``--adam-beta1 must be in [0, 1), got 1.5``); a checkpoint's stored config goes through
 the same checks when ``from_dict`` rebuilds it. Nothing here knows about torch.distributed; the
@@ -18,17 +20,29 @@ from megazero.config.checks import (
     DTYPES,
     SEED_LIMIT,
     ConfigError,
+    Needs,
     _check,
+    given_outside_mode,
     signal_name,
 )
 from megazero.config.model import (
     ATTENTION_BACKENDS,
+    MODEL_MODES,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
     ModelConfig,
 )
-from megazero.config.optimizer import OptimizerConfig, ParallelConfig
-from megazero.config.training import DataConfig, TrainConfig
+from megazero.config.optimizer import (
+    OPTIMIZER_MODES,
+    PARALLEL_MODES,
+    OptimizerConfig,
+    ParallelConfig,
+)
+from megazero.config.training import DATA_MODES, TRAIN_MODES, DataConfig, TrainConfig
+
+# section -> its flags that act in one mode only
+MODES = {"model": MODEL_MODES, "parallel": PARALLEL_MODES, "optimizer": OPTIMIZER_MODES,
+         "data": DATA_MODES, "train": TRAIN_MODES}
 
 
 @dataclass
@@ -112,6 +126,15 @@ class MegazeroConfig:
             _check(m.recompute_activations, "--checkpoint-in-cpu needs whole-layer recompute "
                    "(--checkpoint-activations or --recompute-granularity full)")
 
+    def check_given(self, given) -> None:
+        """Refuse every flag in ``given`` (the spellings on a command line, whatever their
+        values) that acts in a mode this config is not in, each named with the mode it
+        needs."""
+        lines = [line for name, table in MODES.items() if getattr(self, name) is not None
+                 for line in given_outside_mode(getattr(self, name), table, given)]
+        if lines:
+            raise ConfigError("; ".join(lines))
+
     @property
     def num_microbatches(self) -> int:
         return self.microbatches_for(self.train.global_batch_size)
@@ -159,12 +182,12 @@ class MegazeroConfig:
 
 
 # Fields older checkpoints hold that nothing reads any more (their flags are accepted for
-# Megatron compatibility only, see arguments._add_compat_args).
+# Megatron compatibility only, see arguments_compat.add_compat_args).
 _RETIRED = {"model": {"masked_softmax_fusion"}, "parallel": set(),
             "optimizer": {"zero_allgather_bucket_size", "zero_overlap_comm"}, "data": set(),
             "train": set()}
 
 
-__all__ = ["ATTENTION_BACKENDS", "DTYPES", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES",
-           "SEED_LIMIT", "ConfigError", "DataConfig", "MegazeroConfig", "ModelConfig",
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "MODES", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES",
+           "SEED_LIMIT", "ConfigError", "DataConfig", "MegazeroConfig", "ModelConfig", "Needs",
            "OptimizerConfig", "ParallelConfig", "TrainConfig", "signal_name"]

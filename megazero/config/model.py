@@ -12,6 +12,7 @@ import torch
 from megazero.config.checks import (
     DTYPES,
     ConfigError,
+    Needs,
     _check,
     _finite,
     _flag,
@@ -22,6 +23,34 @@ from megazero.config.checks import (
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def _rope(m) -> bool:
+    return m.position_embedding_type == "rope"
+
+
+def _full_recompute(m) -> bool:
+    return m.recompute_activations
+
+
+_ROPE = "--position-embedding-type rope (got {position_embedding_type})"
+_FULL = "whole-layer recompute (--recompute-granularity full or --checkpoint-activations)"
+# The model's flags that act in one mode only (``Needs``): given outside it, refused. None is
+# checked by value: --compile turns every fusion off, generation turns recompute off.
+MODEL_MODES = (
+    Needs(("--rotary-base",), "rotary_base", _rope, "sets RoPE's base period", _ROPE),
+    Needs(("--rotary-percent",), "rotary_percent", _rope,
+          "sets the fraction of each head that RoPE rotates", _ROPE),
+    Needs(("--no-rope-fusion",), "apply_rope_fusion", _rope, "unfuses RoPE", _ROPE),
+    Needs(("--no-bias-swiglu-fusion",), "bias_swiglu_fusion", lambda m: m.swiglu,
+          "unfuses the SwiGLU MLP's activation", "--swiglu"),
+    Needs(("--no-bias-gelu-fusion",), "bias_gelu_fusion", lambda m: not m.swiglu,
+          "unfuses the GELU MLP's bias and activation", "the GELU MLP (no --swiglu)"),
+    Needs(("--recompute-method",), "recompute_method", _full_recompute,
+          "chooses the layers whole-layer recompute covers", _FULL),
+    Needs(("--checkpoint-num-layers", "--recompute-num-layers"), "recompute_num_layers",
+          _full_recompute, "sizes whole-layer recompute's chunks", _FULL),
+)
 
 
 @dataclass

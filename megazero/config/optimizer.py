@@ -6,14 +6,139 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.config.checks import (
+    Needs,
     _check,
     _finite,
     _in_unit,
     _int_at_least,
     _optional_int_at_least,
+    check_modes,
 )
 
 IO_ALIGN = 4096  # bytes: megazero.ops.aio.ALIGN (tests/test_deepspeed_keys.py holds them equal)
+
+# The flags that act in one mode only (``Needs``): given outside it, refused by name. Checked
+# by value too: the NVMe offload's sizes, whose mode no rebuilt config loses, and
+# --zero-prefetch-bucket-size (so checked before these tables); not the other ZeRO-3 knobs,
+# since generation and conversion rebuild a saved config at ZeRO-0.
+PARALLEL_MODES = (
+    Needs(("--num-layers-per-virtual-pipeline-stage",), "virtual_pipeline_model_parallel_size",
+          lambda p: p.pipeline_model_parallel_size > 1,
+          "splits each pipeline stage into virtual stages",
+          "--pipeline-model-parallel-size > 1 (got {pipeline_model_parallel_size})"),
+    Needs(("--no-overlap-p2p-communication", "--overlap-p2p-communication"),
+          "overlap_p2p_comm", lambda p: p.virtual_pipeline_model_parallel_size is not None,
+          "sets how the interleaved schedule waits for its p2p exchanges",
+          "the interleaved schedule (--num-layers-per-virtual-pipeline-stage below the layers "
+          "per pipeline stage)"),
+    Needs(("--ring-collectives",), "ring_collectives", lambda p: p.distributed_backend != "nccl",
+          "picks gloo's reduce-scatter/all-gather", "the gloo backend (got "
+          "--distributed-backend nccl)"),
+)
+
+_ADAMS = ("adam", "onebitadam", "zerooneadam")
+_DECAYS = ("linear", "cosine", "WSD")
+
+
+def _decays(o) -> bool:
+    return o.lr_decay_style in _DECAYS or o.lr_warmup_fraction is not None
+
+
+def _dynamic_scale(o) -> bool:
+    return o.fp16 and o.loss_scale is None
+
+
+_ZERO3 = "--zero-stage 3 (got {zero_stage})"
+_PREFETCHING = _ZERO3 + " without --no-zero-prefetch"
+OPTIMIZER_MODES = (
+    Needs(("--freeze-step",), "freeze_step", lambda o: o.optimizer == "onebitadam",
+          "sets 1-bit Adam's uncompressed steps", "--optimizer onebitadam (got {optimizer})"),
+    *(Needs((flag,), flag[2:].replace("-", "_"), lambda o: o.optimizer == "zerooneadam",
+            "tunes 0/1 Adam's intervals", "--optimizer zerooneadam (got {optimizer})")
+      for flag in ("--var-freeze-step", "--var-update-scaler", "--local-step-scaler",
+                   "--local-step-clipper")),
+    Needs(("--lr",), "lr", lambda o: o.ds_scheduler in (None, "WarmupCosineLR"),
+          "sets the peak learning rate", "no ds_config scheduler, or WarmupCosineLR (the "
+          "ds_config's {ds_scheduler} takes its range from warmup_min_lr/warmup_max_lr)"),
+    Needs(("--min-lr",), "min_lr", lambda o: o.lr_decay_style != "constant",
+          "sets the learning rate the decay ends at", "a decaying --lr-decay-style (got "
+          "constant)"),
+    Needs(("--lr-decay-iters",), "lr_decay_iters", _decays,
+          "sets the length of the lr decay", "--lr-decay-style linear, cosine or WSD, or "
+          "--lr-warmup-fraction (got {lr_decay_style})"),
+    Needs(("--lr-decay-samples",), "lr_decay_samples", _decays,
+          "sets the length of the lr decay", "--lr-decay-style linear, cosine or WSD, or "
+          "--lr-warmup-fraction (got {lr_decay_style})"),
+    Needs(("--lr-decay-iters",), "lr_decay_iters", lambda o: o.lr_decay_samples is None,
+          "sets the length of the lr decay", "no --lr-decay-samples (which wins)"),
+    Needs(("--lr-warmup-iters",), "lr_warmup_iters", lambda o: o.lr_warmup_samples == 0,
+          "sets the length of the lr warmup", "no --lr-warmup-samples (which wins)"),
+    Needs(("--lr-wsd-decay-iters",), "lr_wsd_decay_iters",
+          lambda o: o.lr_wsd_decay_samples is None, "sets the length of WSD's final decay",
+          "no --lr-wsd-decay-samples (which wins)"),
+    *(Needs((flag,), flag[2:].replace("-", "_"), lambda o: o.lr_decay_style == "WSD",
+            "shapes WSD's final decay", "--lr-decay-style WSD (got {lr_decay_style})")
+      for flag in ("--lr-wsd-decay-style", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples")),
+    *(Needs((flag,), flag[2:].replace("-", "_"), lambda o: o.ds_scheduler is None,
+            "shapes megazero's lr schedule", "no scheduler in the ds_config (its "
+            "{ds_scheduler} replaces the schedule)")
+      for flag in ("--min-lr", "--lr-decay-style", "--lr-wsd-decay-style",
+                   "--lr-wsd-decay-iters", "--lr-wsd-decay-samples", "--lr-warmup-fraction",
+                   "--lr-warmup-iters", "--lr-warmup-samples", "--lr-decay-iters",
+                   "--lr-decay-samples")),
+    *(Needs((flag,), flag[2:].replace("-", "_"), lambda o: o.optimizer != "sgd",
+            "sets Adam's and LAMB's moments", "--optimizer adam, lamb, onebitadam or "
+            "zerooneadam (got sgd)")
+      for flag in ("--adam-beta1", "--adam-beta2", "--adam-eps")),
+    Needs(("--no-adam-w-mode", "--adam-w-mode"), "adam_w_mode",
+          lambda o: o.optimizer in _ADAMS, "chooses how Adam decays weights",
+          "--optimizer adam, onebitadam or zerooneadam (got {optimizer})"),
+    Needs(("--sgd-momentum",), "sgd_momentum", lambda o: o.optimizer == "sgd",
+          "sets SGD's momentum", "--optimizer sgd (got {optimizer})"),
+    Needs(("--cpu-torch-adam", "--cpu_torch_adam"), "cpu_torch_adam",
+          lambda o: o.optimizer == "adam", "steps Adam with torch.optim.AdamW",
+          "--optimizer adam (got {optimizer})"),
+    Needs(("--no-fused-optimizer-step", "--ds_fused_adam", "--ds-fused-adam"),
+          "use_fused_step", lambda o: o.optimizer in _ADAMS and not o.cpu_torch_adam,
+          "chooses megazero's Adam step kernel or its reference", "megazero's Adam "
+          "(--optimizer adam, onebitadam or zerooneadam, without --cpu-torch-adam)"),
+    *(Needs((flag,), flag[2:].replace("-", "_"), _dynamic_scale,
+            "tunes the dynamic loss scale", "--fp16 without --loss-scale")
+      for flag in ("--initial-loss-scale", "--min-loss-scale", "--loss-scale-window",
+                   "--hysteresis")),
+    Needs(("--zero-reduce-bucket-size", "--ddp-bucket-size"), "zero_reduce_bucket_size",
+          lambda o: o.zero_stage != 3, "sizes the gradient buckets of ZeRO 0-2 (ZeRO-3 "
+          "reduces per unit)", "--zero-stage 0, 1 or 2 (got 3)"),
+    Needs(("--no-overlap-param-gather", "--overlap-param-gather"), "overlap_param_gather",
+          lambda o: o.zero_stage in (1, 2), "sets when ZeRO 1-2 all-gather updated "
+          "parameters", "--zero-stage 1 or 2, or --use-distributed-optimizer (got "
+          "{zero_stage})"),
+    Needs(("--zero-param-persistence-threshold",), "zero_param_persistence_threshold",
+          lambda o: o.zero_stage == 3, "keeps ZeRO-3's small parameters whole", _ZERO3),
+    Needs(("--no-zero-prefetch",), "zero_prefetch", lambda o: o.zero_stage == 3,
+          "turns ZeRO-3's prefetch off", _ZERO3),
+    Needs(("--zero-max-live-parameters",), "zero_max_live_parameters",
+          lambda o: o.zero_stage == 3 and o.zero_prefetch, "limits ZeRO-3's prefetch",
+          _PREFETCHING),
+    Needs(("--zero-prefetch-bucket-size",), "zero_prefetch_bucket_size",
+          lambda o: o.zero_stage == 3 and o.zero_prefetch, "sizes ZeRO-3's prefetch",
+          _PREFETCHING, by_value=True),
+    Needs(("--no-zero3-order-check",), "zero3_order_check", lambda o: o.zero_stage == 3,
+          "turns ZeRO-3's collective order check off", _ZERO3),
+    Needs(("--nvme-sub-group-size",), "nvme_sub_group_size",
+          lambda o: o.offload_optimizer == "nvme",
+          "sizes the NVMe optimizer step's sub-groups", "--offload-optimizer nvme",
+          by_value=True),
+    Needs(("--nvme-buffer-count",), "nvme_buffer_count",
+          lambda o: o.offload_optimizer == "nvme",
+          "sizes the NVMe optimizer step's host slots", "--offload-optimizer nvme",
+          by_value=True),
+    *(Needs((flag,), flag[2:].replace("-", "_"),
+            lambda o: o.offload_optimizer == "nvme" or o.offload_param == "nvme", acts,
+            "--offload-optimizer nvme or --offload-param nvme", by_value=True)
+      for flag, acts in (("--nvme-threads", "sizes the NVMe offload's I/O threads"),
+                         ("--nvme-block-size", "sizes the NVMe offload's I/O"))),
+)
 
 
 @dataclass
@@ -187,10 +312,6 @@ class OptimizerConfig:
                       "--zero-param-persistence-threshold", 0)
         _optional_int_at_least(self.zero_max_live_parameters, "--zero-max-live-parameters", 1)
         _optional_int_at_least(self.zero_prefetch_bucket_size, "--zero-prefetch-bucket-size", 1)
-        _check(self.zero_prefetch_bucket_size is None
-               or (self.zero_stage == 3 and self.zero_prefetch),
-               "--zero-prefetch-bucket-size sizes ZeRO-3's prefetch: it needs --zero-stage 3 "
-               f"(got {self.zero_stage}) without --no-zero-prefetch")
         _finite(self.clip_grad, "--clip-grad", positive=False)
         _int_at_least(self.hysteresis, "--hysteresis", 1)
         _int_at_least(self.loss_scale_window, "--loss-scale-window", 1)
@@ -224,20 +345,15 @@ class OptimizerConfig:
         _check(self.nvme_block_size >= IO_ALIGN and self.nvme_block_size % IO_ALIGN == 0,
                f"--nvme-block-size must be >= {IO_ALIGN} and a multiple of {IO_ALIGN} bytes "
                f"(O_DIRECT's alignment), got {self.nvme_block_size}")
-        _check(self.nvme_buffer_count == 2 or self.offload_optimizer == "nvme",
-               "--nvme-buffer-count sizes the NVMe optimizer step's host slots: it needs "
-               "--offload-optimizer nvme")
-        _check(self.nvme_block_size == 1 << 20 or self.offload_optimizer == "nvme"
-               or self.offload_param == "nvme",
-               "--nvme-block-size sizes the NVMe offload's I/O: it needs --offload-optimizer "
-               "nvme or --offload-param nvme")
         _check(not (self.offload_optimizer == "nvme" and self.zero_stage not in (1, 2, 3)),
                "--offload-optimizer nvme needs --zero-stage 1, 2 or 3")
         _check(not (self.offload_optimizer == "nvme" and self.optimizer not in ("adam", "sgd")),
                "--offload-optimizer nvme steps parameters in sub-groups: --optimizer adam or "
                "sgd (LAMB needs whole parameters)")
         _check(not (self.cpu_offload and self.zero_stage == 0),
-               "--cpu-offload / --zero-offload-optimizer needs --zero-stage >= 1")
+               "--cpu-offload / --zero-offload-optimizer / --offload-optimizer cpu needs "
+               "--zero-stage >= 1")
+        check_modes(self, OPTIMIZER_MODES)
 
     @property
     def params_dtype(self) -> str:

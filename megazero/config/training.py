@@ -10,11 +10,78 @@ from dataclasses import dataclass, field
 from megazero.config.checks import (
     SEED_LIMIT,
     ConfigError,
+    Needs,
     _check,
     _finite,
     _int_at_least,
     _optional_int_at_least,
     signal_name,
+)
+
+# The flags that act in one mode only (``Needs``): given outside it, refused by name. None is
+# checked by value: the dry run rebuilds a config on mock data without --load,
+# --tensorboard-dir or evaluation.
+DATA_MODES = (
+    *(Needs((flag,), flag[2:].replace("-", "_"),
+            lambda d: d.tokenizer_type == "GPT2BPETokenizer", "is a GPT-2 BPE tokenizer file",
+            "--tokenizer-type GPT2BPETokenizer (got {tokenizer_type})")
+      for flag in ("--vocab-file", "--merge-file")),
+    Needs(("--tokenizer-model",), "tokenizer_model",
+          lambda d: d.tokenizer_type == "SentencePieceTokenizer",
+          "is a SentencePiece tokenizer's model", "--tokenizer-type SentencePieceTokenizer "
+          "(got {tokenizer_type})"),
+    Needs(("--vocab-size",), "vocab_size",
+          lambda d: d.mock_data or d.tokenizer_type == "NullTokenizer",
+          "sets the null tokenizer's vocabulary (other tokenizers bring their own)",
+          "--mock-data or --tokenizer-type NullTokenizer"),
+    *(Needs((flag,), flag[2:].replace("-", "_"), lambda d: not d.mock_data, acts,
+            "data files (--data-path or the default corpus), not --mock-data")
+      for flag, acts in (("--split", "splits the documents into train, valid and test"),
+                         ("--data-cache-path", "caches the dataset indices"))),
+    Needs(("--default-corpus-dir",), "default_corpus_dir",
+          lambda d: not (d.mock_data or d.data_path or d.tokenizer_type),
+          "caches the built-in corpus", "no --data-path, --tokenizer-type or --mock-data "
+          "(the built-in corpus is their default)"),
+)
+
+
+def _saves(t) -> bool:
+    return t.save is not None
+
+
+def _loads(t) -> bool:
+    return t.load is not None
+
+
+TRAIN_MODES = (
+    Needs(("--exit-signal",), "exit_signal", lambda t: t.exit_signal_handler,
+          "names the signal to save and exit on", "--exit-signal-handler"),
+    *(Needs((flag,), flag[2:].replace("-", "_"), _saves, acts, "--save")
+      for flag, acts in (("--save-interval", "sets how often checkpoints are saved"),
+                         ("--no-save-optim", "leaves the optimizer out of saved checkpoints"),
+                         ("--no-save-rng", "leaves the RNG states out of saved checkpoints"))),
+    *(Needs(flags, field, _loads, acts, "--load")
+      for flags, field, acts in (
+          (("--no-load-optim",), "no_load_optim", "skips the loaded optimizer states"),
+          (("--no-load-rng",), "no_load_rng", "skips the loaded RNG states"),
+          (("--finetune",), "finetune", "loads weights only, from iteration 0"),
+          (("--use-checkpoint-args",), "use_checkpoint_args",
+           "takes the model's flags from the loaded checkpoint"),
+          (("--no-verify-checkpoint",), "verify_checkpoint",
+           "skips the loaded files' checksums"))),
+    Needs(("--log-validation-ppl-to-tensorboard",), "log_validation_ppl_to_tensorboard",
+          lambda t: t.tensorboard_dir is not None, "adds the validation perplexity to "
+          "TensorBoard", "--tensorboard-dir"),
+    *(Needs((flag,), flag[2:].replace("-", "_"), lambda t: t.wandb_project is not None, acts,
+            "--wandb-project")
+      for flag, acts in (("--wandb-exp-name", "names the wandb run"),
+                         ("--wandb-save-dir", "places the wandb files"))),
+    *(Needs((flag,), flag[2:].replace("-", "_"), lambda t: t.profile, "places the profiler's "
+            "trace", "--profile or --use-pytorch-profiler")
+      for flag in ("--profile-step-start", "--profile-step-end", "--profile-ranks",
+                   "--profile-dir")),
+    Needs(("--manual-gc-interval",), "manual_gc_interval", lambda t: t.manual_gc,
+          "sets how often the garbage collector runs", "--manual-gc"),
 )
 
 

@@ -53,6 +53,8 @@ def _rejected(argv, capsys, world=1) -> str:
     ("--min-loss-scale inf", "--min-loss-scale must be a finite number > 0, got inf"),
     ("--fp16 --initial-loss-scale 4 --min-loss-scale 8",
      "--min-loss-scale (8.0) must not exceed --initial-loss-scale (4.0)"),
+    ("--position-embedding-type rope --rotary-base 0",
+     "--rotary-base must be an integer >= 1, got 0"),
     ("--lr-warmup-iters -1", "--lr-warmup-iters must be an integer >= 0, got -1"),
     ("--lr-warmup-samples -1", "--lr-warmup-samples must be an integer >= 0, got -1"),
     ("--lr-decay-iters 0", "--lr-decay-iters must be an integer >= 1, got 0"),
@@ -117,9 +119,10 @@ def test_defaults_and_edges_stay_valid():
     ok = parse_args("--lr 0 --min-lr 0 --weight-decay 0 --adam-beta1 0 --clip-grad 0 "
                     "--train-iters 0 --max-consecutive-skipped-iterations 0 --seed 0 "
                     "--exit-interval 1 --exit-signal SIGUSR1 --exit-signal-handler "
-                    "--lr-decay-style constant".split())
+                    "--lr-decay-style linear --lr-decay-iters 1".split())
     assert ok.train.exit_signal == "SIGUSR1" and ok.optimizer.lr == 0
-    assert parse_args(["--exit-signal", "int"]).train.exit_signal == "SIGINT"
+    assert parse_args(["--exit-signal", "int", "--exit-signal-handler"]).train.exit_signal \
+        == "SIGINT"
     assert TrainConfig(exit_signal="TERM").exit_signal == "SIGTERM"
     assert OptimizerConfig(fp16=True, initial_loss_scale=0.5, min_loss_scale=0.5).fp16
 
