@@ -165,20 +165,24 @@ def test_blocking_calls_follow_the_schedule():
                            "--num-attention-heads", "8", "--seq-length", "128",
                            "--vocab-size", "2048"])
     job = Job(model, 4, 16, "fp32")
-    # tp 2, 2 micro-batches of 4: 4 per layer (6 recomputed) + 5 (embedding, loss) each;
-    # dp 2 (groups of 2 as well): one bucket's all-reduce and the loss; the gradient norm
-    assert blocking_calls(job, Layout(2, 1, 2, 4)) == {2: 2 * (4 * 4 + 5) + 2 + 1}
+    # tp 2, 2 micro-batches of 4: 4 per layer (6 recomputed) + 4 (the embedding, the
+    # output layer, the loss's two) each; dp 2 (groups of 2 as well): the two buckets'
+    # all-reduces; the gradient norm (mp group) -- megazero.plan.collectives, held to the
+    # dry run's records by tests/test_plan_collectives.py
+    assert blocking_calls(job, Layout(2, 1, 2, 4)) == {2: 2 * (4 * 4 + 4) + 2 + 1}
     assert blocking_calls(job, Layout(2, 1, 2, 4, recompute="full"))[2] == \
-        2 * (4 * 6 + 5) + 2 + 1
-    # sequence parallel: an all-gather and a reduce-scatter per GEMM pair each way, 7 at
-    # the edges (the embedding's and output layer's are split in two as well)
-    assert blocking_calls(job, Layout(2, 1, 2, 4, sp=True))[2] == 2 * (4 * 8 + 7) + 2 + 1
-    # pp 4, 16 micro-batches: two paired exchanges each; ZeRO-1 over dp 4: reduce-scatter
-    # and all-gather of each bucket (1.07M parameters: two of the 1M-element minimum), the
-    # loss; ZeRO-3: 3 per unit (5) and micro-batch, each with its check
-    assert blocking_calls(job, Layout(1, 4, 1, 1))["p2p"] == 32
+        2 * (4 * 6 + 4) + 2 + 1
+    # sequence parallel: an all-gather and a reduce-scatter per GEMM pair each way, 6 at
+    # the edges (the embedding's and output layer's split in two), and once per step the
+    # all-reduce of the sp-replicated gradients
+    assert blocking_calls(job, Layout(2, 1, 2, 4, sp=True))[2] == 2 * (4 * 8 + 6) + 1 + 2 + 1
+    # pp 4, 16 micro-batches, the fullest (middle) stage: 2m + 2w + 1 exchanges posted;
+    # ZeRO-1 over dp 4: reduce-scatter and all-gather of each of two buckets, the loss, the
+    # norm; ZeRO-3: a gather forward and backward and a reduction per unit (6) and
+    # micro-batch (1), each after its order check
+    assert blocking_calls(job, Layout(1, 4, 1, 1))["p2p"] == 35
     assert blocking_calls(job, Layout(1, 1, 4, 4, zero=1)) == {4: 2 * 2 + 1 + 1}
-    assert blocking_calls(job, Layout(1, 1, 4, 4, zero=3)) == {4: 2 * 3 * 5 + 1 + 1}
+    assert blocking_calls(job, Layout(1, 1, 4, 4, zero=3)) == {4: 2 * 3 * 6 + 1 + 1}
 
 
 def test_call_cost_only_where_ranks_outnumber_cores():

@@ -12,15 +12,18 @@ heads, e: bytes per element), per transformer layer:
   twice the forward FLOPs; full recompute adds one forward, selective the attention core.
 * memory-bound kernels (norms, bias-dropout-add, GELU, softmax and dropout over ``a s^2 b / t``
   when the attention is not fused): bytes at ``hbm x hbm_bandwidth``; backward twice.
-* tensor parallel: 2 all-reduces forward and 2 backward of ``b s h e`` bytes (all-gather +
-  reduce-scatter with sequence parallelism: the same bytes), 2 more with full recompute;
-  ring cost ``2 (t-1)/t bytes / bw + 2 (t-1) latency`` on NVLink.
+* tensor parallel: the layer's collectives as ``collectives.layer_tp_ops`` has them, 2
+  all-reduces forward and 2 backward of ``b s h e`` bytes (an all-gather and a
+  reduce-scatter in place of each with sequence parallelism: the same bytes), 2 more with
+  full recompute; ring cost ``2 (t-1)/t bytes / bw + 2 (t-1) latency`` on NVLink. (The
+  embedding's, output layer's and loss's are left to ``blocking_calls``.)
 
 The pipeline (``pp`` stages, ``m`` micro-batches, ``v`` chunks per stage) takes
 ``(m + (p-1)/v) x`` the slowest stage's forward+backward (the 1F1B / interleaved bubble),
 plus point-to-point exchanges of ``b s h e`` (divided by t with sequence parallelism) per
 micro-batch. Data-parallel gradient reduction (all-reduce, or reduce-scatter and
-all-gather for ZeRO 1-3, ZeRO-3's parameter gathers) runs on the link the dp group spans;
+all-gather for ZeRO 1-3, ZeRO-3's parameter gathers; bytes from the stage's parameter count,
+not the exact padded buckets ``collectives`` counts) runs on the link the dp group spans;
 where the runtime overlaps it (``Runtime``), only the part longer than the backward it hides
 behind is exposed. The optimizer step streams its partition's bytes through HBM (through
 host memory and PCIe with CPU offload).
@@ -28,9 +31,13 @@ host memory and PCIe with CPU offload).
 On a CPU machine whose ranks share the cores (``System.ranks_share_cores``) three host costs
 join: each layer's and micro-batch's operator overhead (``layer_overhead``,
 ``recompute_overhead``, ``microbatch_overhead``: CPU time, stretched by the ranks per core
-like the compute); with
-more ranks than cores, every blocking collective and pipeline exchange (``blocking_calls``)
-costs ``sync_cost`` for its group size (the peer it waits for is often descheduled); and a
+like the compute); with more ranks than cores, every blocking collective and pipeline
+exchange costs ``sync_cost`` for its group size (the peer it waits for is often
+descheduled): ``blocking_calls``, the calls ``collectives.predicted_collectives`` predicts
+for the fullest stage, which tests/test_plan_collectives.py holds equal to what the dry run
+records (tp: per layer, the embedding, the output layer and the loss's two all-reduces, the
+sp gradients; pp: the exchanges the schedule posts; dp: per bucket or ZeRO-3 unit as the
+optimizer reduces and gathers, order checks, loss and norm; mp and embedding groups); and a
 pipeline's bubble shrinks, since a waiting stage leaves its core to another rank (absorbed
 entirely at twice as many ranks as cores).
 
@@ -44,11 +51,11 @@ data-parallel communication follow from the stretched compute.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from megazero.config import ModelConfig
-from megazero.data_parallel.layout import default_bucket_size
+from megazero.distributed.comm import RING_MIN_BYTES
+from megazero.plan.collectives import allreduce_equivalents, blocking_calls_of, layer_tp_ops
 from megazero.plan.layout import Job, Layout
 from megazero.plan.system import System
 
@@ -169,11 +176,13 @@ def _layer_parts(m: ModelConfig, lay: Layout, job: Job, system: System, rt: Runt
     link = system.group_link(1, t)
     eff = system.efficiency.network
     one = ring_time(link, bs * h * e, t, "ar", eff)  # an all-reduce (or AG + RS)
+    # the layer's tp collectives (collectives.layer_tp_ops), in all-reduces of [s, b, h]
+    ops = {k: allreduce_equivalents(v) for k, v in layer_tp_ops(lay).items()}
     fwd = gemm + attn + fwd_mem
     recompute = {"none": 0.0, "selective": attn + core_bytes / hbm,
-                 "full": fwd + 2 * one}[lay.recompute]
-    return {"fwd": fwd + 2 * one, "bwd": 2 * fwd + 2 * one + recompute,
-            "tp": (4 + (2 if lay.recompute == "full" else 0)) * one}
+                 "full": fwd + ops["recompute"] * one}[lay.recompute]
+    return {"fwd": fwd + ops["fwd"] * one, "bwd": 2 * fwd + ops["bwd"] * one + recompute,
+            "tp": (ops["fwd"] + ops["bwd"] + ops["recompute"]) * one}
 
 
 def _head_parts(m: ModelConfig, lay: Layout, job: Job, system: System, rt: Runtime,
@@ -264,7 +273,10 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
         out.optimizer = rt.compute_scale * owned * rt.optimizer_bytes / (
             system.hbm_bandwidth * system.efficiency.hbm * share)
     out.overhead = system.step_overhead
-    calls = blocking_calls(job, lay)
+    # counted only where they cost anything (ranks outnumbering the cores they share)
+    charged = system.sync_cost and system.ranks_share_cores and system.cores and \
+        job.world > system.cores
+    calls = blocking_calls(job, lay) if charged else {}
     out.sync = sum(n * system.call_cost(job.world, g) for g, n in calls.items())
     out.total = out.compute + out.bubble + out.dp_exposed + out.optimizer + out.overhead + \
         out.sync
@@ -276,57 +288,14 @@ def step_time(job: Job, lay: Layout, system: System, rt: Runtime = MEGAZERO) -> 
     return out
 
 
-RING_MIN_BYTES = 4 << 20  # comm.RING_MIN_BYTES: smaller ZeRO-3 units check order apart
-
-
 def blocking_calls(job: Job, lay: Layout) -> dict:
-    """Blocking collectives and exchanges one rank of the fullest stage issues per step, by
-    group size (``"p2p"`` for pipeline exchanges): tensor parallel 4 per layer and
-    micro-batch (8 with sequence parallelism; half again with full recompute) plus the
-    embedding's, the output layer's and the vocab-parallel loss's;
-    pipeline 2 per micro-batch and chunk (1F1B's steady state pairs each send with the
-    opposite receive: ``send_forward_recv_backward``, ``send_backward_recv_forward``); data
-    parallel
-    per bucket (all-reduce; reduce-scatter and all-gather; ZeRO-2 reduces at every
-    micro-batch) or, for ZeRO-3, an all-gather per unit in forward and backward and a
-    reduce-scatter per unit and micro-batch, each after its order check when the unit is
-    below the ring's size; the loss and gradient-norm reductions once per step."""
-    m = job.model
-    mbs = lay.microbatches(job.global_batch)
-    layers = m.num_layers // lay.pp
-    calls: dict = {}
-
-    def add(group, n):
-        if n and (group == "p2p" or group > 1):
-            calls[group] = calls.get(group, 0) + n
-    # per layer: two column- and two row-parallel GEMMs, each one collective forward or
-    # backward (all-reduce), with sequence parallelism one each way (all-gather and
-    # reduce-scatter); full recompute repeats the forward's
-    per_layer = 8 if lay.sp else 4
-    if lay.recompute == "full":
-        per_layer += per_layer // 2
-    edges = 7 if lay.sp else 5  # embedding, output layer, the loss's three all-reduces
-    add(lay.tp, mbs * (layers * per_layer + edges))
-    if lay.pp > 1:
-        add("p2p", mbs * lay.virtual * 2)
-    if lay.dp > 1:
-        params = _stage_param_elems(m, lay)
-        buckets = max(1, math.ceil(params / default_bucket_size(int(params), lay.dp)))
-        if lay.zero == 0:
-            add(lay.dp, buckets)
-        elif lay.zero == 1:
-            add(lay.dp, 2 * buckets)
-        elif lay.zero == 2:
-            add(lay.dp, buckets * (mbs + 1))
-        else:
-            units = layers + 1
-            n = 3 * units * mbs
-            if params * job.elem_bytes / units < RING_MIN_BYTES:
-                n *= 2
-            add(lay.dp, n)
-        add(lay.dp, 1)  # the loss's average
-    add(lay.tp * lay.pp * (lay.dp if lay.zero else 1), 1)  # the gradient norm
-    return calls
+    """Blocking collectives and exchanges per step by group size (``"p2p"``: pipeline
+    exchanges, each posted and waited as one) of the stage that issues the most (first,
+    middle or last): every call ``collectives.predicted_collectives`` predicts for it, the
+    collectives the dry run records (tests/test_plan_collectives.py). ZeRO-3's order checks
+    of buffers from ``comm.RING_MIN_BYTES`` ride on the ring (gloo's default ``auto``
+    policy, when it picks the ring); smaller ones are a blocking all-gather each."""
+    return blocking_calls_of(job, lay, ring_min_bytes=RING_MIN_BYTES)
 
 
 def _stage_param_elems(m: ModelConfig, lay: Layout) -> float:
