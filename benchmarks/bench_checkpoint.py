@@ -23,15 +23,13 @@ cache between runs (warm reads); timings on a shared machine are noisy (best of
 ``--repeats``).
 
     python benchmarks/bench_checkpoint.py [--layers 8 --hidden 512 --vocab 16384]
-        [--repeats 2] [--dir /tmp/bench_ckpt]
+        [--repeats 2] [--dir /tmp/bench_ckpt] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import queue
 import shutil
 import sys
 import tempfile
@@ -40,9 +38,12 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
 
 # name -> (world, extra flags); dp = world / tp
 LAYOUTS = {
@@ -54,23 +55,6 @@ CASES = [("tp1", "tp1"), ("tp1", "tp2"), ("tp2", "tp2"), ("tp2", "tp1"),
          ("dp2 z1", "dp2 z1"), ("dp2 z1", "dp4 z1"), ("dp4 z1", "dp4 z1")]
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 class _AnonSampler(threading.Thread):
     """Peak of ``RssAnon`` sampled every 2 ms while running."""
 
@@ -80,7 +64,7 @@ class _AnonSampler(threading.Thread):
 
     def run(self):
         while not self.stop.is_set():
-            self.peak = max(self.peak, _status_kb("RssAnon"))
+            self.peak = max(self.peak, harness.status_kib("RssAnon"))
             time.sleep(0.002)
 
 
@@ -92,100 +76,65 @@ def _argv(args, layout: str) -> list[str]:
             f"--train-iters 10 --eval-iters 0 --seed 1234 {extra}").split()
 
 
-def _worker(rank, world, port, task, argv, root, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _rank(task, argv, root):
+    """One rank (``harness.spawn``): save the checkpoint, or time loading it."""
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-    sys.path.insert(0, REPO)
-    try:
-        import pretrain_gpt2
-        from megazero import checkpoint
-        from megazero.arguments import parse_args
-        from megazero.data_parallel import build_optimizer
-        from megazero.distributed.init import init_distributed
-        from megazero.optim import build_lr_scheduler
-        from megazero.tensor_parallel.random import set_random_seed
-        from megazero.training.data import prepare_tokenizer
+    import pretrain_gpt2
+    from megazero import checkpoint
+    from megazero.arguments import parse_args
+    from megazero.data_parallel import build_optimizer
+    from megazero.distributed.init import init_distributed
+    from megazero.optim import build_lr_scheduler
+    from megazero.tensor_parallel.random import set_random_seed
+    from megazero.training.data import prepare_tokenizer
 
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=30))
-        config = parse_args(argv, world_size=world)
-        ps = init_distributed(config.parallel)
-        tracker = set_random_seed(config.train.seed, ps)
-        prepare_tokenizer(config, ps)
-        model = pretrain_gpt2.model_provider(config, ps, tracker)
-        gbs = config.train.global_batch_size
-        sched = build_lr_scheduler(config.optimizer, gbs, 10 * gbs)
-        opt = build_optimizer(model, config.optimizer, ps, lr_scheduler=sched,
-                              seed=config.train.seed)
-        common = dict(model_chunks=model, optimizer=opt, lr_scheduler=sched, config=config,
-                      ps=ps, tracker=tracker)
-        result = {"rank": rank}
-        if task == "save":
-            checkpoint.save_checkpoint(root, 1, consumed_train_samples=gbs, **common)
-        else:
-            dist.barrier()
-            rss_before = _status_kb("VmRSS")
-            reset = _reset_peak_rss()
-            sampler = _AnonSampler()
-            anon_before = _status_kb("RssAnon")
-            sampler.start()
-            t0 = time.perf_counter()
-            checkpoint.load_checkpoint(root, **common)
-            result["load_s"] = time.perf_counter() - t0
-            sampler.stop.set()
-            sampler.join()
-            hwm = _status_kb("VmHWM")
-            result.update(load_peak_mb=(hwm - rss_before) / 1024 if reset else None,
-                          anon_peak_mb=(sampler.peak - anon_before) / 1024,
-                          peak_rss_mb=hwm / 1024)
-        out.put(result)
-    except BaseException as exc:  # noqa: BLE001
-        import traceback
-
-        out.put({"rank": rank, "error": f"{exc}\n{traceback.format_exc()}"})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = parse_args(argv, world_size=world)
+    ps = init_distributed(config.parallel)
+    tracker = set_random_seed(config.train.seed, ps)
+    prepare_tokenizer(config, ps)
+    model = pretrain_gpt2.model_provider(config, ps, tracker)
+    gbs = config.train.global_batch_size
+    sched = build_lr_scheduler(config.optimizer, gbs, 10 * gbs)
+    opt = build_optimizer(model, config.optimizer, ps, lr_scheduler=sched,
+                          seed=config.train.seed)
+    common = dict(model_chunks=model, optimizer=opt, lr_scheduler=sched, config=config,
+                  ps=ps, tracker=tracker)
+    result = {"rank": rank}
+    if task == "save":
+        checkpoint.save_checkpoint(root, 1, consumed_train_samples=gbs, **common)
+    else:
+        dist.barrier()
+        rss_before = harness.status_kib("VmRSS")
+        reset = harness.reset_peak_rss()
+        sampler = _AnonSampler()
+        anon_before = harness.status_kib("RssAnon")
+        sampler.start()
+        t0 = time.perf_counter()
+        checkpoint.load_checkpoint(root, **common)
+        result["load_s"] = time.perf_counter() - t0
+        sampler.stop.set()
+        sampler.join()
+        hwm = harness.status_kib("VmHWM")
+        result.update(load_peak_mb=(hwm - rss_before) / 1024 if reset else None,
+                      anon_peak_mb=(sampler.peak - anon_before) / 1024,
+                      peak_rss_mb=hwm / 1024)
+    return result
 
 
-def _convert_worker(src, dst, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _convert(src, dst):
+    """The offline converter in one plain process (``harness.spawn(gloo=False)``)."""
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-    sys.path.insert(0, REPO)
     from megazero.tools.checkpoint import main
 
     t0 = time.perf_counter()
     rc = main(["convert", src, dst, "--tp", "2", "--force"])
-    out.put({"rank": 0, "rc": rc, "load_s": time.perf_counter() - t0, "load_peak_mb": None,
-             "anon_peak_mb": None, "peak_rss_mb": _status_kb("VmHWM") / 1024})
+    return {"rank": 0, "rc": rc, "load_s": time.perf_counter() - t0, "load_peak_mb": None,
+            "anon_peak_mb": None, "peak_rss_mb": harness.status_kib("VmHWM") / 1024}
 
 
 def _launch(task, world, argv, root, timeout=1800):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, task, argv, root, out))
-             for r in range(world)]
-    return _collect(procs, out, world, timeout)
-
-
-def _collect(procs, out, world, timeout):
-    for p in procs:
-        p.start()
-    results, deadline = [], time.monotonic() + timeout
-    while len(results) < world:
-        try:
-            results.append(out.get(timeout=max(1.0, deadline - time.monotonic())))
-        except queue.Empty:
-            break
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors or len(results) < world:
-        raise RuntimeError("benchmark run failed:\n" + "\n".join(errors or ["timeout"]))
-    return results
+    return harness.spawn(_rank, world, task, argv, root, timeout=timeout, pg_timeout=1800)
 
 
 def _checkpoint_mb(root: str) -> float:
@@ -218,12 +167,9 @@ def run(args) -> list[dict]:
         rows.append({"saved": saved_at, "loaded": load_at, "ranks": LAYOUTS[load_at][0],
                      "mb": sizes[saved_at], **best})
         print(f"{saved_at} -> {load_at}: {best}", file=sys.stderr)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     src = os.path.join(base, "tp1")
-    conv = _collect([ctx.Process(target=_convert_worker,
-                                 args=(src, os.path.join(base, "converted"), out))], out, 1,
-                    1800)
+    conv = harness.spawn(_convert, 1, src, os.path.join(base, "converted"), timeout=1800,
+                         gloo=False)
     rows.append({"saved": "tp1", "loaded": "tp2 (offline convert)", "ranks": 1,
                  "mb": sizes["tp1"], **_summary(conv)})
     if not args.dir:
@@ -237,10 +183,7 @@ def _fmt(v, spec):
 
 def table(rows) -> str:
     by = {(r["saved"], r["loaded"]): r for r in rows}
-    lines = ["| saved at | loaded at | ranks | ckpt MiB | load s | peak RSS MiB/rank | "
-             "load peak MiB/rank | anon peak MiB/rank | time vs saved layout | "
-             "load peak vs saved layout | time vs target-saved | load peak vs target-saved |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = []
     for r in rows:
         ratios = []
         for ref in (by.get((r["saved"], r["saved"])), by.get((r["loaded"], r["loaded"]))):
@@ -250,27 +193,31 @@ def table(rows) -> str:
             ratios.append(f"{r['load_s'] / ref['load_s']:.2f}x")
             lp, rp = r["load_peak_mb"], ref["load_peak_mb"]
             ratios.append(f"{lp / rp:.2f}x" if lp is not None and rp else "-")
-        lines.append(f"| {r['saved']} | {r['loaded']} | {r['ranks']} | {r['mb']:.0f} | "
-                     f"{r['load_s']:.2f} | {_fmt(r['peak_rss_mb'], '.0f')} | "
-                     f"{_fmt(r['load_peak_mb'], '.0f')} | {_fmt(r['anon_peak_mb'], '.0f')} | "
-                     + " | ".join(ratios) + " |")
-    return "\n".join(lines)
+        lines.append([r["saved"], r["loaded"], r["ranks"], f"{r['mb']:.0f}", f"{r['load_s']:.2f}",
+                      _fmt(r["peak_rss_mb"], ".0f"), _fmt(r["load_peak_mb"], ".0f"),
+                      _fmt(r["anon_peak_mb"], ".0f"), *ratios])
+    return harness.markdown_table(
+        ["saved at", "loaded at", "ranks", "ckpt MiB", "load s", "peak RSS MiB/rank",
+         "load peak MiB/rank", "anon peak MiB/rank", "time vs saved layout",
+         "load peak vs saved layout", "time vs target-saved", "load peak vs target-saved"],
+        lines, align="llrrrrrrrrrr")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--seq", type=int, default=128)
+    harness.add_gpt_args(p, layers=8, hidden=512, heads=8, seq=128, vocab=16384)
     p.add_argument("--repeats", type=int, default=2, help="loads per case (best time kept)")
     p.add_argument("--dir", default=None, help="keep the checkpoints here")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the rows, the arguments and the host here")
     args = p.parse_args(argv)
     rows = run(args)
     print(f"GPT-2 {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32, Adam; "
           f"torch {torch.__version__}, {os.cpu_count()} cores")
     print(table(rows))
+    if args.json:
+        harness.write_json(args.json, {"benchmark": "bench_checkpoint", "args": vars(args),
+                                       "rows": rows})
 
 
 if __name__ == "__main__":

@@ -25,20 +25,26 @@ native). The last lines show what ``megazero.ring.choose`` (the one-time measure
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
 
 OPS = ("native reduce_scatter", "ring reduce_scatter", "tcp-ring reduce_scatter",
        "native all_gather", "ring all_gather", "tcp-ring all_gather", "all_reduce")
 
 
-def _bench_size(numel, reps, warmup, ring, tcp, rank, n):
+def _bench_size(numel, reps, warmup, ring, tcp, n):
+    """This rank's times {operation: [seconds per measured repetition]} at ``numel``."""
     from megazero.distributed import comm
 
     big = torch.randn(numel)
@@ -73,8 +79,7 @@ def _bench_size(numel, reps, warmup, ring, tcp, rank, n):
     }
     times = {k: [] for k in OPS}
     for rep in range(warmup + reps):
-        order = OPS[rep % len(OPS):] + OPS[:rep % len(OPS)]
-        for name in order:
+        for name in harness.rotated(OPS, rep):
             dist.barrier()
             t0 = time.perf_counter()
             fns[name]()
@@ -83,22 +88,14 @@ def _bench_size(numel, reps, warmup, ring, tcp, rank, n):
                 times[name].append(dt)
             if name.endswith("ring reduce_scatter"):
                 ring_in.copy_(big)  # keep values bounded (outside the timed region)
-    # slowest rank per repetition, then the median over repetitions
-    local = torch.tensor([times[k] for k in OPS], dtype=torch.float64)  # [ops, reps]
-    everyone = [torch.empty_like(local) for _ in range(n)]
-    dist.all_gather(everyone, local)
-    slowest = torch.stack(everyone).amax(0)
-    return {k: statistics.median(slowest[i].tolist()) for i, k in enumerate(OPS)}
+    return times
 
 
-def _worker(rank, world, port, args, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _rank(args):
+    """One rank (``harness.spawn``): its times per size, and what ``ring.choose`` picked."""
     from megazero.distributed import comm, ring
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
+    world = dist.get_world_size()
     group = dist.group.WORLD
     r = ring.Ring(group)  # shared memory between these processes of one host
     tcp = ring.Ring(group, transport="tcp")
@@ -106,26 +103,18 @@ def _worker(rank, world, port, args, out):
     for mib in args.sizes_mib:
         numel = int(mib * (1 << 20)) // 4
         numel -= numel % world
-        results[mib] = _bench_size(numel, args.reps, args.warmup, r, tcp, rank, world)
+        results[mib] = _bench_size(numel, args.reps, args.warmup, r, tcp, world)
     choice = ring.choose(group, comm._native_rs, comm._native_ag, policy="auto")
-    if rank == 0:
-        out.put((results, choice))
-    dist.barrier()
-    dist.destroy_process_group()
+    return results, choice
 
 
 def run_world(world, args):
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, args, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=1800)
-    for p in procs:
-        p.join()
-    return result
+    """{MiB: {operation: median over repetitions of the slowest rank's time}}, and rank 0's
+    ``ring.choose`` decision."""
+    ranks = harness.spawn(_rank, world, args, timeout=1800)
+    results = {mib: {k: statistics.median(harness.slowest_rank([r[mib][k] for r, _ in ranks]))
+                     for k in OPS} for mib in ranks[0][0]}
+    return results, ranks[0][1]
 
 
 def main():

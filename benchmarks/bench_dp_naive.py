@@ -1,8 +1,8 @@
 """Naive data parallelism against ZeroOptimizer stages 0-2: step time, collectives, memory.
 
 One data-parallel training step of the same model on real gloo process groups (dp worker
-processes spawned with ``torch.multiprocessing``, a ``TCPStore`` on a free port, one thread
-per rank: ``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``), under
+processes spawned by ``harness.spawn``: ``torch.multiprocessing``, a ``TCPStore`` on a free
+port, one thread per rank: ``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``), under
 
 * ``naive``: ``megazero.data_parallel.naive.DataParallelNaive`` with ``torch.optim.AdamW`` on
   every rank: one all-reduce per parameter after backward, the whole optimizer everywhere
@@ -37,26 +37,27 @@ states; the model is fp32, so there is no separate main copy).
 
     python benchmarks/bench_dp_naive.py [--dp 2 [4]] [--layers 8 --hidden 1024 --batch 64] \
         [--warmup 2 --steps 3 --rounds 10] [--stages 0 1 2] [--bucket-size 25000000] \
-        [--torch-adam default|foreach|fused] [--ring auto|ring|native]
+        [--torch-adam default|foreach|fused] [--ring auto|ring|native] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
-import queue
-import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
+
 PHASES = ("fwd_bwd", "sync", "opt_step")
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 SEED = 1234
@@ -134,72 +135,41 @@ def _run_contender(kind, args, ps, data, eval_batch):
             "loss": float(final) / world, "params": params}
 
 
-def _worker(rank, world, port, args, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    sys.path.insert(0, REPO)
-    try:
-        from megazero.distributed.parallel_state import ParallelState
+def _rank(args):
+    """One rank (``harness.spawn``): every contender in every round in these processes; rank 0
+    returns what every rank measured."""
+    from megazero.distributed.parallel_state import ParallelState
 
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=10))
-        ps = ParallelState.build(ring_policy=args.ring)
-        n_steps = args.warmup + args.steps
-        data = [_batch(args, i, rank, world) for i in range(n_steps)]
-        eval_batch = _batch(args, 10_000, 0, 1)  # the same on every rank
-        contenders = ["naive"] + [f"zero{s}" for s in args.stages]
-        results = {k: {"times": [], "rounds": [], "loss": [], "param_diff": []}
-                   for k in contenders}
-        for rnd in range(args.rounds):
-            order = contenders[rnd % len(contenders):] + contenders[:rnd % len(contenders)]
-            params = {}
-            for kind in order:
-                r = _run_contender(kind, args, ps, data, eval_batch)
-                res = results[kind]
-                res["times"] += r["times"]
-                res["rounds"].append(len(r["times"]))
-                res["loss"].append(r["loss"])
-                res["stats"], res["memory"] = r["stats"], r["memory"]
-                params[kind] = r["params"]
-            if rank == 0:
-                for kind in contenders:
-                    diff = (params[kind] - params["naive"]).abs().max().item()
-                    results[kind]["param_diff"].append(diff)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ps = ParallelState.build(ring_policy=args.ring)
+    n_steps = args.warmup + args.steps
+    data = [_batch(args, i, rank, world) for i in range(n_steps)]
+    eval_batch = _batch(args, 10_000, 0, 1)  # the same on every rank
+    contenders = ["naive"] + [f"zero{s}" for s in args.stages]
+    results = {k: {"times": [], "loss": [], "param_diff": []} for k in contenders}
+    for rnd in range(args.rounds):
+        params = {}
+        for kind in harness.rotated(contenders, rnd):
+            r = _run_contender(kind, args, ps, data, eval_batch)
+            res = results[kind]
+            res["times"].append(r["times"])
+            res["loss"].append(r["loss"])
+            res["stats"], res["memory"] = r["stats"], r["memory"]
+            params[kind] = r["params"]
         if rank == 0:
-            out.put(("ok", {"ranks": gathered,
-                            "decisions": ps.comm.ring_decisions(),
-                            "psi": sum(p.numel() for p in _model(args).parameters())}))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        out.put(("err", f"rank {rank}:\n{traceback.format_exc()}"))
+            for kind in contenders:
+                diff = (params[kind] - params["naive"]).abs().max().item()
+                results[kind]["param_diff"].append(diff)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        return {"ranks": gathered, "decisions": ps.comm.ring_decisions(),
+                "psi": sum(p.numel() for p in _model(args).parameters())}
+    return None
 
 
 def run(args, world):
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, daemon=True, args=(r, world, store.port, args, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        status, value = out.get(timeout=args.timeout)
-        if status != "ok":
-            raise RuntimeError(value)
-    except queue.Empty:
-        raise TimeoutError(f"dp={world}: no result in {args.timeout} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return value
+    return harness.spawn(_rank, world, args, timeout=args.timeout)[0]
 
 
 def summarize(value, args):
@@ -208,23 +178,15 @@ def summarize(value, args):
     ranks = value["ranks"]
     rows = {}
     for kind, res0 in ranks[0].items():
-        per_rank = [r[kind]["times"] for r in ranks]
-        slowest = [tuple(max(col) for col in zip(*step)) for step in zip(*per_rank)]
-        total = [s[0] for s in slowest]
-        round_medians, i = [], 0
-        for n in res0["rounds"]:
-            round_medians.append(statistics.median(total[i:i + n]))
-            i += n
+        per_round = zip(*(r[kind]["times"] for r in ranks))  # per round: every rank's steps
+        times = harness.step_summary([harness.slowest_rank(steps) for steps in per_round],
+                                     PHASES)
         calls = {k: res0["stats"].get(k, {}).get("calls", 0) / args.steps for k in KINDS}
         sent = max(sum(v["sent"] for v in r[kind]["stats"].values()) for r in ranks)
         mem = max((r[kind]["memory"] for r in ranks),
                   key=lambda m: sum(m[k] for k in ("params", "grads", "main_params",
                                                    "optimizer_states")))
-        rows[kind] = {"step": statistics.median(total),
-                      "range": (min(round_medians), max(round_medians)),
-                      "phases": {p: statistics.median(s[j + 1] for s in slowest)
-                                 for j, p in enumerate(PHASES)},
-                      "calls": calls, "sent": sent / args.steps, "memory": mem,
+        rows[kind] = {**times, "calls": calls, "sent": sent / args.steps, "memory": mem,
                       "states": sum(mem[k] for k in ("params", "grads", "main_params",
                                                      "optimizer_states")),
                       "loss": res0["loss"], "param_diff": max(res0["param_diff"])}
@@ -251,20 +213,22 @@ def print_table(rows, dp, psi, args, decisions):
           f"{args.rounds} rounds x {args.steps} measured steps (after {args.warmup} warm-up); "
           f"torch AdamW {args.torch_adam}; bucket {args.bucket_size} elements; "
           f"RS/AG path {_path(decisions)}")
-    print("| contender | step ms (median) | round medians | speed-up vs naive | "
-          "fwd+bwd ms | grad sync ms | opt step ms | calls/step AR/RS/AG | "
-          "MB sent/step | model states MB (p/g/main/opt) | states vs naive |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|")
+    lines = []
     for kind, r in rows.items():
         m, ph = r["memory"], r["phases"]
         lo, hi = r["range"]
         breakdown = "/".join(f"{m[k] / mb:.1f}" for k in ("params", "grads", "main_params",
                                                          "optimizer_states"))
-        print(f"| {kind} | {r['step'] * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | "
-              f"{naive['step'] / r['step']:.2f}x | {ph['fwd_bwd'] * 1e3:.1f} | "
-              f"{ph['sync'] * 1e3:.1f} | {ph['opt_step'] * 1e3:.1f} | {_calls(r['calls'])} | "
-              f"{r['sent'] / mb:.1f} | {r['states'] / mb:.1f} ({breakdown}) | "
-              f"{r['states'] / naive['states']:.2f}x |")
+        lines.append([kind, f"{r['step'] * 1e3:.1f}", f"{lo * 1e3:.1f}-{hi * 1e3:.1f}",
+                      f"{naive['step'] / r['step']:.2f}x", f"{ph['fwd_bwd'] * 1e3:.1f}",
+                      f"{ph['sync'] * 1e3:.1f}", f"{ph['opt_step'] * 1e3:.1f}",
+                      _calls(r["calls"]), f"{r['sent'] / mb:.1f}",
+                      f"{r['states'] / mb:.1f} ({breakdown})",
+                      f"{r['states'] / naive['states']:.2f}x"])
+    print(harness.markdown_table(
+        ["contender", "step ms (median)", "round medians", "speed-up vs naive", "fwd+bwd ms",
+         "grad sync ms", "opt step ms", "calls/step AR/RS/AG", "MB sent/step",
+         "model states MB (p/g/main/opt)", "states vs naive"], lines, align="lrrrrrrlrlr"))
     print("\nloss after the steps (fixed batch, dp mean; the distinct values over the rounds) "
           "and max |param - naive param| of the same round")
     for kind, r in rows.items():
@@ -283,9 +247,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64, help="rows per rank and step")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
-    parser.add_argument("--rounds", type=int, default=10)
+    harness.add_round_args(parser, warmup=2, steps=3, rounds=10, timeout=900)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--clip-grad", type=float, default=1.0)
@@ -295,19 +257,20 @@ def main():
                         default="default", help="implementation of the baseline's AdamW")
     parser.add_argument("--ring", choices=["auto", "ring", "native"], default="auto",
                         help="ring policy for gloo reduce-scatter/all-gather")
-    parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be at least 1")
-    print(f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f} at start")
+    print(harness.start_line())
     t_start = time.perf_counter()
+    worlds = []
     for dp in args.dp:
         value = run(args, dp)
         rows = summarize(value, args)
         print_table(rows, dp, value["psi"], args, value["decisions"])
-    print(f"\ntotal time {time.perf_counter() - t_start:.0f} s, load average "
-          f"{os.getloadavg()[0]:.1f} at the end")
+        worlds.append({"dp": dp, "psi": value["psi"], "rs_ag_path": _path(value["decisions"]),
+                       "rows": rows})
+    print(harness.end_line(t_start))
+    if args.json:
+        harness.write_json(args.json, {"benchmark": "bench_dp_naive", "args": vars(args),
+                                       "worlds": worlds})
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ One run, interleaved rounds: a run is a list of entries (contender, tp) for ever
 every tensor-parallel size of ``--tp``; within a round every entry runs once, one after another
 (the order rotated by one entry each round), over ``--rounds`` rounds. Each entry-round runs in
 freshly spawned worker processes, world size = tp (no data or pipeline parallelism;
-``torch.multiprocessing`` spawn, a ``TCPStore`` on a free port, gloo, one thread per rank:
-``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``), so that the peak RSS of a process is that
-contender's own. Both contenders build the same GPT-2 shape: ``--layers`` layers of
-``--hidden``, ``--heads`` heads, FFN 4h with GPT-2's (tanh) GELU, pre-LayerNorm (eps 1e-5),
+``harness.spawn``: ``torch.multiprocessing`` spawn, a ``TCPStore`` on a free port, gloo, one
+thread per rank: ``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``), so that the peak RSS of a
+process is that contender's own. Both contenders build the same GPT-2 shape: ``--layers`` layers
+of ``--hidden``, ``--heads`` heads, FFN 4h with GPT-2's (tanh) GELU, pre-LayerNorm (eps 1e-5),
 biases on every linear layer, learned absolute position embeddings over ``--seq`` positions,
-``--vocab`` tokens padded to a multiple of 128 x tp (Megatron's padding), the output layer
-tied to the word embedding, vocab-parallel cross entropy, no dropout, fp32. The contenders:
+``--vocab`` tokens padded to a multiple of 128 x tp (Megatron's padding), the output layer tied
+to the word embedding, vocab-parallel cross entropy, no dropout, fp32. The contenders:
 
 * ``megazero``: ``megazero.model.build_gpt_model_chunks(cfg, ps, seed=..., device=ps.device)``
   with ``ParallelState.build(tp_size=tp)``, with its defaults: its compiled CPU kernels for
@@ -59,14 +59,14 @@ then ``--steps`` measured ones. Reported per entry:
 * peak RSS MB/rank: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of each worker at the end of
   the entry-round, max over the ranks, median over the rounds (the whole process: Python,
   torch, the contender's package, data and activations included); before model: the resident
-  bytes (``/proc/self/statm``) after the imports and the process groups, before the model is
+  bytes (``VmRSS``) after the imports and the process groups, before the model is
   built (the packages' own share of the peak), max over ranks, median over rounds;
 * loss first -> after: the loss of the first (warm-up) step, and after the measured steps on
   a fixed batch (identical on all ranks), from the last round.
 
     python benchmarks/bench_megatron.py [--tp 1 2] [--layers 4 --hidden 512 --heads 8 \
         --seq 256 --vocab 8192 --micro-batch 4] [--warmup 1 --steps 3 --rounds 3] \
-        [--contenders megazero megatron-core]
+        [--contenders megazero megatron-core] [--json FILE]
 
 megatron-core is not a dependency of megazero; it runs from a separate environment holding
 both (CPU torch first, so that megatron-core's ``torch>=2.6`` requirement keeps it):
@@ -82,10 +82,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
-import queue
-import resource
 import statistics
 import sys
 import time
@@ -93,20 +90,21 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import Skip  # noqa: E402
+
 PHASES = ("forward", "backward", "optimizer")
 CONTENDERS = ("megazero", "megatron-core")
 REFERENCE = "megatron-core"
 SEED = 1234
 BETAS, EPS = (0.9, 0.999), 1e-8
 DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default (megazero's too)
-
-
-class Skip(Exception):
-    """A contender that cannot run here (the reason is printed in the table)."""
 
 
 def _padded_vocab(vocab: int, tp: int) -> int:
@@ -271,78 +269,31 @@ def _run_contender(kind, args, tp):
 
 
 def _resident() -> int:
-    """Resident bytes of this process now (``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Resident bytes of this process now (``VmRSS``)."""
+    return harness.status_kib("VmRSS") * 1024
 
 
-def _worker(rank, world, port, kind, args, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    sys.path.insert(0, REPO)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=10))
-        try:
-            r = _run_contender(kind, args, world)
-        except Skip as e:
-            out.put(("skip", rank, str(e)))
-        else:
-            r["rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            out.put(("ok", rank, r))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        out.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+def _rank(kind, args, tp):
+    """One rank of one entry-round (``harness.spawn``): its result and its peak RSS."""
+    r = _run_contender(kind, args, tp)
+    r["rss_kb"] = harness.peak_rss_kib()
+    return r
 
 
 def run(kind, args, world):
-    """One entry-round in fresh processes: the per-rank results, or ('skip', reason)."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world, store.port, kind, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, problem = [None] * world, None
-    try:
-        for _ in range(world):
-            status, rank, value = out.get(timeout=args.timeout)
-            if status == "ok":
-                results[rank] = value
-            elif problem is None or status == "err":
-                problem = (status, value)
-    except queue.Empty:
-        problem = ("err", f"no result in {args.timeout} s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return problem if problem is not None else ("ok", results)
+    """One entry-round in fresh processes: the per-rank results (raises ``Skip``)."""
+    return harness.spawn(_rank, world, kind, args, world, timeout=args.timeout)
 
 
 def summarize(per_round):
     """Per entry: slowest-rank step and phase times (median over all measured steps, range of
     the per-round medians), peak and before-model RSS, parameters and losses."""
-    slowest, round_medians, rss, base = [], [], [], []
-    for ranks in per_round:
-        steps = [tuple(max(col) for col in zip(*step))
-                 for step in zip(*(r["times"] for r in ranks))]
-        slowest += steps
-        round_medians.append(statistics.median(s[0] for s in steps))
-        rss.append(max(r["rss_kb"] for r in ranks) * 1024)
-        base.append(max(r["before_model"] for r in ranks))
+    times = harness.step_summary(
+        [harness.slowest_rank([r["times"] for r in ranks]) for ranks in per_round], PHASES)
+    rss = [max(r["rss_kb"] for r in ranks) * 1024 for ranks in per_round]
+    base = [max(r["before_model"] for r in ranks) for ranks in per_round]
     last = per_round[-1]
-    return {"step": statistics.median(s[0] for s in slowest),
-            "range": (min(round_medians), max(round_medians)),
-            "phases": {p: statistics.median(s[j + 1] for s in slowest)
-                       for j, p in enumerate(PHASES)},
-            "rss": statistics.median(rss), "base": statistics.median(base),
+    return {**times, "rss": statistics.median(rss), "base": statistics.median(base),
             "params": max(r["params"] for r in last),
             "first": last[0]["first"], "loss": last[0]["loss"]}
 
@@ -363,76 +314,48 @@ def print_table(rows, skips, entries, args):
     print(f"\ngloo, world = tp: GPT-2 {args.layers} layers x hidden {args.hidden} "
           f"({args.heads} heads, FFN {4 * args.hidden}), seq {args.seq}, vocab {args.vocab} "
           f"(padded to a multiple of {DIVISIBLE_BY} x tp), fp32, micro-batch "
-          f"{args.micro_batch}, no dropout; {args.rounds} rounds x {args.steps} measured steps "
-          f"(after {args.warmup} warm-up), fresh processes per entry-round; AdamW lr "
-          f"{args.lr:g}, wd 0, no clipping; ln(vocab) = {math.log(args.vocab):.4f}")
-    print(f"| contender | tp | step ms (median) | round medians | vs {REFERENCE} | fwd ms | "
-          "bwd ms | opt ms | params/rank | peak RSS MB/rank | before model MB | "
-          "loss first -> after |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for entry in entries:
-        kind, tp = entry
-        if entry in skips:
-            print(f"| {kind} | {tp} | SKIP: {skips[entry]} | | | | | | | | | |")
-            continue
-        r = rows[entry]
-        ph, (lo, hi) = r["phases"], r["range"]
-        ref = rows.get((REFERENCE, tp))
-        ratio = f"{r['step'] / ref['step']:.2f}x" if ref else "n/a"
-        print(f"| {kind} | {tp} | {r['step'] * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | "
-              f"{ratio} | {ph['forward'] * 1e3:.1f} | {ph['backward'] * 1e3:.1f} | "
-              f"{ph['optimizer'] * 1e3:.1f} | {r['params']:,} | {r['rss'] / mb:.0f} | "
-              f"{r['base'] / mb:.0f} | {r['first']:.4f} -> {r['loss']:.4f} |")
+          f"{args.micro_batch}, no dropout; {harness.rounds_text(args, 'entry-round')}; "
+          f"AdamW lr {args.lr:g}, wd 0, no clipping; ln(vocab) = {math.log(args.vocab):.4f}")
+
+    def cells(r):
+        ref = rows.get((REFERENCE, r["tp"]))
+        return [*harness.step_cells(r, ref), *(f"{r['phases'][p] * 1e3:.1f}" for p in PHASES),
+                f"{r['params']:,}", f"{r['rss'] / mb:.0f}", f"{r['base'] / mb:.0f}",
+                f"{r['first']:.4f} -> {r['loss']:.4f}"]
+
+    lines = harness.contender_rows(entries, rows, skips, cells, label=list)
+    print(harness.markdown_table(
+        ["contender", "tp", "step ms (median)", "round medians", f"vs {REFERENCE}", "fwd ms",
+         "bwd ms", "opt ms", "params/rank", "peak RSS MB/rank", "before model MB",
+         "loss first -> after"], lines, align="lrrrrrrrrrrl"))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2],
                         help="tensor-parallel sizes (world size = tp)")
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
-                        choices=CONTENDERS)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per step")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    harness.add_gpt_args(parser, layers=4, hidden=512, heads=8, seq=256, vocab=8192,
+                         micro_batch=4, micro_batch_help="sequences per step")
+    harness.add_round_args(parser, warmup=1, steps=3, rounds=3, timeout=900,
+                           contenders=CONTENDERS)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be at least 1")
     for tp in args.tp:
         if tp < 1 or args.heads % tp or (4 * args.hidden) % tp:
             parser.error(f"tp {tp} must be at least 1 and divide --heads and 4 x --hidden")
-    print(f"torch {torch.__version__}, {_megatron_version()}, gloo, 1 thread per rank, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
+    print(harness.start_line(_megatron_version()))
     t_start = time.perf_counter()
     entries = [(kind, tp) for tp in args.tp for kind in args.contenders]
-    results = {e: [] for e in entries}
-    skips = {}
-    n = len(entries)
-    for rnd in range(args.rounds):
-        for entry in entries[rnd % n:] + entries[:rnd % n]:
-            if entry in skips:
-                continue
-            kind, tp = entry
-            status, value = run(kind, args, tp)
-            if status == "ok":
-                results[entry].append(value)
-            elif status == "skip":
-                skips[entry] = value
-            else:
-                first = value.strip().splitlines()[0]
-                print(f"{kind} tp={tp} failed (round {rnd}):\n{value}", file=sys.stderr)
-                skips[entry] = f"failed: {first}"
-    rows = {e: summarize(v) for e, v in results.items() if v and e not in skips}
+    results, skips = harness.interleave(entries, args.rounds, lambda e: run(e[0], args, e[1]),
+                                        name=lambda e: f"{e[0]} tp={e[1]}")
+    rows = {e: {"tp": e[1], **summarize(v)} for e, v in results.items() if v and e not in skips}
     print_table(rows, skips, entries, args)
-    print(f"\ntotal time {time.perf_counter() - t_start:.0f} s, load average "
-          f"{os.getloadavg()[0]:.1f} at the end")
+    print(harness.end_line(t_start))
+    if args.json:
+        harness.write_json(args.json, {
+            "benchmark": "bench_megatron", "args": vars(args), "versions": _megatron_version(),
+            "rows": [{"contender": k, **rows[(k, tp)]} for k, tp in rows],
+            "skips": [{"contender": k, "tp": tp, "reason": why} for (k, tp), why in skips.items()]})
 
 
 if __name__ == "__main__":

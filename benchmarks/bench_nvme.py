@@ -40,6 +40,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, ROOT)
+
+from benchmarks import harness  # noqa: E402
 
 WRAPPER = r"""
 import atexit, os, resource, runpy, sys
@@ -120,8 +124,7 @@ def main():
                 *nvme]}
         names, rounds = list(modes), []
         for k in range(args.rounds):
-            order = names[k % len(names):] + names[:k % len(names)]
-            rounds.append({name: run(modes[name], {}) for name in order})
+            rounds.append({name: run(modes[name], {}) for name in harness.rotated(names, k)})
             failed = [n for n, r in rounds[-1].items() if r["rc"] != 0]
             if failed:
                 print(f"{failed[0]} failed:\n{rounds[-1][failed[0]]['tail']}")
@@ -145,10 +148,7 @@ def main():
           f"{args.sub_group} elements (slots {slots * mb:.0f} MiB); NVMe dir {args.dir}; "
           f"{args.rounds} interleaved rounds (step: median of iterations 3+ of every round; "
           "RSS and VmPeak: the largest of the rounds)")
-    print("| run | step ms (median, iters 3+) | ratio | steady RSS MiB | peak RSS MiB | "
-          f"VmPeak MiB | under RLIMIT_AS {limit * mb:.0f} MiB |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    same = True
+    same, lines = True, []
     for pair in (names[:2], names[2:]):
         ref = statistics.median(results[pair[0]]["times"])
         for name in pair:
@@ -157,9 +157,12 @@ def main():
             b = budget.get(name)
             under = "" if b is None else f"trains ({len(b['losses'])} iterations)" \
                 if b["rc"] == 0 else f"fails: {b['error']}"
-            print(f"| {name} | {t:.0f} | {t / ref:.2f}x | {r['steady'] * mb:.0f} | "
-                  f"{r['rss'] * mb:.0f} | {r['vm'] * mb:.0f} | {under} |")
+            lines.append([name, f"{t:.0f}", f"{t / ref:.2f}x", f"{r['steady'] * mb:.0f}",
+                          f"{r['rss'] * mb:.0f}", f"{r['vm'] * mb:.0f}", under])
         same &= all(r[pair[0]]["losses"] == r[pair[1]]["losses"] for r in rounds)
+    print(harness.markdown_table(
+        ["run", "step ms (median, iters 3+)", "ratio", "steady RSS MiB", "peak RSS MiB",
+         "VmPeak MiB", f"under RLIMIT_AS {limit * mb:.0f} MiB"], lines, align="lrrrrrl"))
     for pair, target in ((names[:2], states - slots),
                          (names[2:], states + 4 * n_params - slots)):
         a, b = results[pair[0]], results[pair[1]]

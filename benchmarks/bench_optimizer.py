@@ -29,14 +29,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
-from megazero.ops import CPUAdam, CPULamb, _cpu_ext
-from megazero.ops.fused_step import fused_adam_step, global_grad_norm_sq
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
+from megazero.ops import CPUAdam, CPULamb, _cpu_ext  # noqa: E402
+from megazero.ops.fused_step import fused_adam_step, global_grad_norm_sq  # noqa: E402
 
 LR, WD, LOSS_SCALE, MAX_NORM = 1e-6, 0.01, 1024.0, 1.0
 FLOOR_BYTES = 28
@@ -203,9 +210,8 @@ class Timings:
 
 def run_rounds(fns: dict, rounds: int, warmup: int, before=None) -> dict[str, Timings]:
     times = {name: Timings() for name in fns}
-    names = list(fns)
     for r in range(warmup + rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in harness.rotated(fns, r):
             if before is not None:
                 before(name)
             c0, t0 = time.process_time(), time.perf_counter()
@@ -273,12 +279,13 @@ def main() -> None:
 
 def print_table(rows) -> None:
     print()
-    print("| params | tensors | kind | contender | median ms | min ms | x 28B floor "
-          "| speed vs base | probe GB/s | clean rounds |")
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
-    for size, layout, kind, name, t, t_min, x_floor, speed, bw, clean in rows:
-        print(f"| {size}M | {layout} | {kind} | {name} | {t * 1e3:.1f} | {t_min * 1e3:.1f} | "
-              f"{x_floor:.2f} | {speed:.2f}x | {bw / 1e9:.1f} | {clean} |")
+    print(harness.markdown_table(
+        ["params", "tensors", "kind", "contender", "median ms", "min ms", "x 28B floor",
+         "speed vs base", "probe GB/s", "clean rounds"],
+        ([f"{size}M", layout, kind, name, f"{t * 1e3:.1f}", f"{t_min * 1e3:.1f}",
+          f"{x_floor:.2f}", f"{speed:.2f}x", f"{bw / 1e9:.1f}", clean]
+         for size, layout, kind, name, t, t_min, x_floor, speed, bw, clean in rows),
+        align="rrllrrrrrr"))
     print("\nspeed vs base: median over rounds of (base time / contender time) within a round; "
           "base: torch AdamW fused (adam rows), torch best composition (step rows); > 1 is "
           "faster. x 28B floor: median / (28 B x params / probe bandwidth). Medians over clean "

@@ -5,10 +5,10 @@ One run, interleaved rounds: within a round every contender runs once, one after
 megazero's GPT-2 (``megazero.model.build_gpt_model_chunks`` with a ``ParallelState`` of tp=1,
 pp=1: ``--layers`` layers of ``--hidden``, ``--heads`` heads, ``--seq`` tokens, ``--vocab``
 tokens, no dropout, fp32), with data parallelism over ``--dp`` ranks on gloo. Each
-contender-round runs in freshly spawned worker processes (``torch.multiprocessing`` spawn, a
-``TCPStore`` on a free port, one thread per rank: ``torch.set_num_threads(1)``,
-``OMP_NUM_THREADS=1``), so that the peak RSS of a process is that contender's own. The
-contenders:
+contender-round runs in freshly spawned worker processes (``harness.spawn``:
+``torch.multiprocessing`` spawn, a ``TCPStore`` on a free port, one thread per rank:
+``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``), so that the peak RSS of a process is that
+contender's own. The contenders:
 
 * ``mz-zero0`` .. ``mz-zero3``: ``megazero.data_parallel.build_optimizer`` with
   ``OptimizerConfig(zero_stage=s, optimizer="adam")`` (ZeRO-3: the model is built on the meta
@@ -74,16 +74,13 @@ contender-round ``--warmup`` steps, then ``--steps`` measured ones. Reported per
 
     python benchmarks/bench_peers.py [--dp 2] [--layers 4 --hidden 512 --heads 8 --seq 256 \
         --vocab 8192 --micro-batch 4] [--warmup 1 --steps 3 --rounds 5] \
-        [--contenders mz-zero0 ... fsdp2]
+        [--contenders mz-zero0 ... fsdp2] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import queue
-import resource
 import statistics
 import sys
 import time
@@ -91,9 +88,14 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import Skip  # noqa: E402
+
 PHASES = ("forward", "backward", "sync", "step")
 MEGAZERO = ("mz-zero0", "mz-zero1", "mz-zero2", "mz-zero3")
 TORCH = ("ddp", "ddp+zero-ro", "fsdp2")
@@ -110,10 +112,6 @@ BETAS, EPS = (0.9, 0.999), 1e-8
 # own, whose freed fragments malloc_trim cannot return (8 MiB after a few 4 MiB collectives).
 # Turned off for every contender alike, so that "unaccounted" is memory held by objects.
 ALLOCATOR_CACHES_OFF = {"MKL_DISABLE_FAST_MM": "1", "MALLOC_ARENA_MAX": "1"}
-
-
-class Skip(Exception):
-    """A contender that cannot run here (the reason is printed in the table)."""
 
 
 def _model_config(args):
@@ -303,81 +301,34 @@ def _model_params(args, ps):
     return list(model.parameters())
 
 
-def _worker(rank, world, port, kind, args, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    sys.path.insert(0, REPO)
+def _rank(kind, args):
+    """One rank of one contender-round (``harness.spawn``): its result and its peak RSS."""
+    from megazero.distributed.parallel_state import ParallelState
+
     # ZeRO-3's module hooks on the embedding, whose inputs (token ids) need no gradient
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    try:
-        from megazero.distributed.parallel_state import ParallelState
-
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=10))
-        ps = ParallelState.build()
-        try:
-            r = _run_contender(kind, args, ps)
-        except Skip as e:
-            out.put(("skip", rank, str(e)))
-        else:
-            r["rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            out.put(("ok", rank, r))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-
-        out.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    r = _run_contender(kind, args, ParallelState.build())
+    r["rss_kb"] = harness.peak_rss_kib()
+    return r
 
 
 def run(kind, args, world):
-    """One contender-round in fresh processes: the per-rank results, or ('skip', reason)."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world, store.port, kind, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, problem = [None] * world, None
-    try:
-        for _ in range(world):
-            status, rank, value = out.get(timeout=args.timeout)
-            if status == "ok":
-                results[rank] = value
-            elif problem is None or status == "err":
-                problem = (status, value)
-    except queue.Empty:
-        problem = ("err", f"no result in {args.timeout} s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return problem if problem is not None else ("ok", results)
+    """One contender-round in fresh processes: the per-rank results (raises ``Skip``)."""
+    return harness.spawn(_rank, world, kind, args, timeout=args.timeout)
 
 
 def summarize(per_round):
     """Per contender: slowest-rank step and phase times (median over all measured steps,
     range of the per-round medians), peak RSS, model states and losses."""
-    slowest, round_medians, rss, losses, unacc = [], [], [], [], []
-    for ranks in per_round:
-        steps = [tuple(max(col) for col in zip(*step))
-                 for step in zip(*(r["times"] for r in ranks))]
-        slowest += steps
-        round_medians.append(statistics.median(s[0] for s in steps))
-        rss.append(max(r["rss_kb"] for r in ranks) * 1024)
-        losses.append(ranks[0]["loss"])
-        unacc.append(max(r["unaccounted"] for r in ranks))
+    times = harness.step_summary(
+        [harness.slowest_rank([r["times"] for r in ranks]) for ranks in per_round], PHASES)
+    rss = [max(r["rss_kb"] for r in ranks) * 1024 for ranks in per_round]
+    losses = [ranks[0]["loss"] for ranks in per_round]
+    unacc = [max(r["unaccounted"] for r in ranks) for ranks in per_round]
     mems = [r["memory"] for r in per_round[-1]]
     keys = ("params", "grads", "main_params", "optimizer_states")
     mem = max(mems, key=lambda m: sum(m[k] for k in keys))
-    return {"step": statistics.median(s[0] for s in slowest),
-            "range": (min(round_medians), max(round_medians)),
-            "phases": {p: statistics.median(s[j + 1] for s in slowest)
-                       for j, p in enumerate(PHASES)},
-            "rss": statistics.median(rss), "memory": mem,
+    return {**times, "rss": statistics.median(rss), "memory": mem,
             "states": sum(mem[k] for k in keys), "loss": losses,
             "buffers": sum(v for k, v in mem.items() if k not in keys
                            and not k.endswith("_peak")),
@@ -390,30 +341,25 @@ def print_table(rows, skips, args, world):
     psi = next((r["psi"] for r in rows.values()), 0)
     print(f"\ndp={world}, gloo: megazero GPT-2 {args.layers} layers x hidden {args.hidden} "
           f"({args.heads} heads), seq {args.seq}, vocab {args.vocab}, {psi / 1e6:.2f}M params "
-          f"(fp32), micro-batch {args.micro_batch} per rank; {args.rounds} rounds x "
-          f"{args.steps} measured steps (after {args.warmup} warm-up), fresh processes per "
-          f"contender-round; AdamW lr {args.lr:g}, wd 0, no clipping")
+          f"(fp32), micro-batch {args.micro_batch} per rank; {harness.rounds_text(args)}; "
+          f"AdamW lr {args.lr:g}, wd 0, no clipping")
     ref = rows.get(REFERENCE)
-    print(f"| contender | step ms (median) | round medians | vs {REFERENCE} | fwd ms | "
-          "bwd ms | sync ms | step ms | peak RSS MB/rank | model states MB/rank (p/g/main/opt) "
-          "| buffers MB | unaccounted MB | loss after | AdamW |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---|")
-    for kind in args.contenders:
-        if kind in skips:
-            print(f"| {kind} | SKIP: {skips[kind]} | | | | | | | | | | | | |")
-            continue
-        r = rows[kind]
-        m, ph = r["memory"], r["phases"]
-        lo, hi = r["range"]
-        ratio = f"{r['step'] / ref['step']:.2f}x" if ref else "n/a"
+
+    def cells(r):
+        m = r["memory"]
         breakdown = "/".join(f"{m[k] / mb:.1f}" for k in ("params", "grads", "main_params",
                                                          "optimizer_states"))
         losses = ", ".join(f"{x:.6f}" for x in sorted(set(r["loss"])))
-        print(f"| {kind} | {r['step'] * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | {ratio} | "
-              f"{ph['forward'] * 1e3:.1f} | {ph['backward'] * 1e3:.1f} | "
-              f"{ph['sync'] * 1e3:.1f} | {ph['step'] * 1e3:.1f} | {r['rss'] / mb:.0f} | "
-              f"{r['states'] / mb:.1f} ({breakdown}) | {r['buffers'] / mb:.1f} | "
-              f"{r['unaccounted'] / mb:.1f} | {losses} | {r['adamw']} |")
+        return [*harness.step_cells(r, ref), *(f"{r['phases'][p] * 1e3:.1f}" for p in PHASES),
+                f"{r['rss'] / mb:.0f}", f"{r['states'] / mb:.1f} ({breakdown})",
+                f"{r['buffers'] / mb:.1f}", f"{r['unaccounted'] / mb:.1f}", losses, r["adamw"]]
+
+    lines = harness.contender_rows(args.contenders, rows, skips, cells)
+    print(harness.markdown_table(
+        ["contender", "step ms (median)", "round medians", f"vs {REFERENCE}", "fwd ms",
+         "bwd ms", "sync ms", "step ms", "peak RSS MB/rank",
+         "model states MB/rank (p/g/main/opt)", "buffers MB", "unaccounted MB", "loss after",
+         "AdamW"], lines, align="lrrrrrrrrlrrll"))
     all_losses = [x for r in rows.values() for x in r["loss"]]
     if all_losses:
         lo, hi = min(all_losses), max(all_losses)
@@ -424,53 +370,29 @@ def print_table(rows, skips, args, world):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
-                        choices=CONTENDERS)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank and step")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    harness.add_gpt_args(parser, layers=4, hidden=512, heads=8, seq=256, vocab=8192,
+                         micro_batch=4, micro_batch_help="sequences per rank and step")
+    harness.add_round_args(parser, warmup=1, steps=3, rounds=5, timeout=900,
+                           contenders=CONTENDERS)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--allocator-caches", action="store_true",
                         help="leave MKL's buffer cache and glibc's per-thread arenas on (the "
                              "default turns both off for every contender, see the docstring)")
     args = parser.parse_args()
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be at least 1")
     if not args.allocator_caches:  # inherited by every spawned worker, read at its start
         os.environ.update(ALLOCATOR_CACHES_OFF)
     caches = "on" if args.allocator_caches else f"off: {ALLOCATOR_CACHES_OFF}"
     print(f"allocator caches {caches}")
-    print(f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f} at start")
+    print(harness.start_line())
     t_start = time.perf_counter()
-    results = {k: [] for k in args.contenders}
-    skips = {}
-    n = len(args.contenders)
-    for rnd in range(args.rounds):
-        order = args.contenders[rnd % n:] + args.contenders[:rnd % n]
-        for kind in order:
-            if kind in skips:
-                continue
-            status, value = run(kind, args, args.dp)
-            if status == "ok":
-                results[kind].append(value)
-            elif status == "skip":
-                skips[kind] = value
-            else:
-                first = value.strip().splitlines()[0]
-                print(f"{kind} failed (round {rnd}):\n{value}", file=sys.stderr)
-                skips[kind] = f"failed: {first}"
+    results, skips = harness.interleave(args.contenders, args.rounds,
+                                        lambda kind: run(kind, args, args.dp))
     rows = {k: summarize(v) for k, v in results.items() if v and k not in skips}
     print_table(rows, skips, args, args.dp)
-    print(f"\ntotal time {time.perf_counter() - t_start:.0f} s, load average "
-          f"{os.getloadavg()[0]:.1f} at the end")
+    print(harness.end_line(t_start))
+    if args.json:
+        harness.write_json(args.json, {"benchmark": "bench_peers", "args": vars(args),
+                                       "rows": rows, "skips": skips})
 
 
 if __name__ == "__main__":

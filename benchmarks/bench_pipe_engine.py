@@ -37,12 +37,13 @@ Every stage cut is the one ``partition_method="parameters"`` gives (the blocks s
 the head on the last stage); the cuts are printed. AdamW everywhere: lr ``--lr``, betas
 0.9/0.999, eps 1e-8, weight decay 0, no clipping, constant lr (torch's ``fused=True``).
 
-Protocol: interleaved rounds as ``bench_peers.py``: within a round each contender runs once,
-order rotated each round, over ``--rounds`` rounds. Every contender-round runs in fresh worker
-processes (``subprocess``, so the DeepSpeed contender can run its own interpreter; a gloo
-group through ``tcp://`` on a free port, ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``
-per rank), ``--warmup`` steps then ``--steps`` measured ones. A step starts after a barrier
-(not counted) on every rank; its time is the slowest rank's. Reported per contender:
+Protocol: interleaved rounds as ``bench_peers.py`` (``harness.interleave``): within a round each
+contender runs once, order rotated each round, over ``--rounds`` rounds. Every contender-round
+runs in fresh worker processes (``subprocess``, so the DeepSpeed contender can run its own
+interpreter; a gloo group through ``tcp://`` on a free port, ``OMP_NUM_THREADS=1`` and
+``torch.set_num_threads(1)`` per rank), ``--warmup`` steps then ``--steps`` measured ones. A
+step starts after a barrier (not counted) on every rank; its time is the slowest rank's.
+Reported per contender:
 
 * step ms: median over all measured steps of all rounds, with the range of per-round medians,
   and its ratio to torch-pipe's (below 1 = faster);
@@ -53,7 +54,8 @@ per rank), ``--warmup`` steps then ``--steps`` measured ones. A step starts afte
 
     python benchmarks/bench_pipe_engine.py [--hidden 256 --blocks 8 --classes 10] \
         [--micro-batch 8 --micro-batches 8] [--warmup 2 --steps 10 --rounds 3] \
-        [--contenders torch-pipe mz-pipe ds-pipe mz-pp1] [--ds-python /work/venv-ds/bin/python]
+        [--contenders torch-pipe mz-pipe ds-pipe mz-pp1] [--ds-python /work/venv-ds/bin/python] \
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -62,8 +64,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -79,15 +79,17 @@ import torch.nn.functional as F
 from torch import nn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import Skip  # noqa: E402
+
 CONTENDERS = ("torch-pipe", "mz-pipe", "ds-pipe", "mz-pp1")
 REFERENCE = "torch-pipe"
 WORLD = {"torch-pipe": 2, "mz-pipe": 2, "ds-pipe": 2, "mz-pp1": 1}
 BASE_SEED, DATA_SEED = 1234, 4321
 BETAS, EPS = (0.9, 0.999), 1e-8
-
-
-class Skip(Exception):
-    """A contender that cannot run here (the reason goes into the table)."""
 
 
 # ---- the model (user code) -------------------------------------------------------------------
@@ -269,7 +271,7 @@ def _run_contender(kind, args, world):
             times.append(elapsed)
     dist.barrier()
     return {"rank": rank, "times": times, "losses": losses, "fingerprint": prints,
-            "cut": cut, "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+            "cut": cut, "rss_kb": harness.peak_rss_kib()}
 
 
 def worker(args):
@@ -305,26 +307,20 @@ def worker(args):
 
 
 # ---- the launcher ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 MODEL_ARGS = ("hidden", "blocks", "classes", "micro_batch", "micro_batches", "warmup",
               "steps", "lr", "timeout")
 
 
 def run(kind, args):
-    """One contender-round in fresh processes: ('ok', per-rank results), ('skip', reason) or
-    ('err', message)."""
+    """One contender-round in fresh processes (``subprocess``: the DeepSpeed contender runs
+    its own interpreter): the per-rank results; raises ``Skip`` or ``RankFailed``."""
     world = WORLD[kind]
     python = args.ds_python if kind == "ds-pipe" else sys.executable
     if kind == "ds-pipe" and not os.path.isfile(python):
-        return "skip", f"no DeepSpeed interpreter at {python}"
+        raise Skip(f"no DeepSpeed interpreter at {python}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    port = _free_port()
+    port = harness.free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs, paths, logs = [], [], []
         for r in range(world):
@@ -343,43 +339,43 @@ def run(kind, args):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        results, problem = [], None
+        results, failed, skip = [], None, None
         for r, path in enumerate(paths):
             logs[r].seek(0)
             log = logs[r].read()
             logs[r].close()
             if not os.path.isfile(path):
-                problem = problem or ("err", f"rank {r} wrote no result (exit "
-                                             f"{procs[r].returncode}):\n{log[-3000:]}")
+                failed = failed or harness.RankFailed(r, f"rank {r} wrote no result (exit "
+                                                         f"{procs[r].returncode}):\n{log[-3000:]}")
                 continue
             with open(path) as f:
                 res = json.load(f)
             if res["status"] == "ok":
                 results.append(res)
             elif res["status"] == "skip":
-                if problem is None or problem[0] != "err":
-                    problem = ("skip", res["reason"])
+                skip = res["reason"]
                 if kind == "ds-pipe":
                     print(f"{kind} rank {r} output (tail):\n{log[-3000:]}", file=sys.stderr)
             else:
-                problem = ("err", f"rank {r}: {res['reason']}\n{log[-2000:]}")
-    return problem if problem is not None else ("ok", results)
+                failed = harness.RankFailed(r, f"rank {r}: {res['reason']}\n{log[-2000:]}")
+    if failed is not None:
+        raise failed
+    if skip is not None:
+        raise Skip(skip)
+    return results
 
 
 def summarize(per_round):
-    slowest, round_medians, rss = [], [], []
-    for ranks in per_round:
-        steps = [max(ts) for ts in zip(*(r["times"] for r in ranks))]
-        slowest += steps
-        round_medians.append(statistics.median(steps))
-        rss.append([r["rss_kb"] / 1024 for r in sorted(ranks, key=lambda r: r["rank"])])
+    times = harness.step_summary(
+        [harness.slowest_rank([r["times"] for r in ranks]) for ranks in per_round])
+    rss = [[r["rss_kb"] / 1024 for r in sorted(ranks, key=lambda r: r["rank"])]
+           for ranks in per_round]
     first = per_round[0]
     losses = next(r["losses"] for r in sorted(first, key=lambda r: -r["rank"]))
     prints = {}
     for r in first:
         prints.update(r["fingerprint"])
-    return {"step": statistics.median(slowest),
-            "range": (min(round_medians), max(round_medians)),
+    return {"step": times["step"], "range": times["range"],
             "rss": [statistics.median(col) for col in zip(*rss)],
             "losses": losses, "fingerprint": prints, "cut": first[0]["cut"],
             "rounds_agree": all(next(r["losses"] for r in sorted(rs, key=lambda r: -r["rank"]))
@@ -397,23 +393,15 @@ def print_table(rows, skips, args):
           f"LN->Linear({args.hidden},{4 * args.hidden})->GELU->Linear->residual + "
           f"Linear({args.hidden},{args.classes}) + cross entropy, {params / 1e6:.2f}M params "
           f"(fp32); {args.micro_batches} micro-batches of {args.micro_batch} per step "
-          f"(global batch {args.micro_batch * args.micro_batches}); {args.rounds} rounds x "
-          f"{args.steps} measured steps (after {args.warmup} warm-up), fresh processes per "
-          f"contender-round; AdamW lr {args.lr:g}, wd 0, no clipping")
+          f"(global batch {args.micro_batch * args.micro_batches}); "
+          f"{harness.rounds_text(args)}; AdamW lr {args.lr:g}, wd 0, no clipping")
     ref = rows.get(REFERENCE)
-    print(f"| contender | step ms (median) | round medians | vs {REFERENCE} | "
-          "peak RSS MB per rank | loss step 1 | loss last |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for kind in args.contenders:
-        if kind in skips:
-            print(f"| {kind} | SKIP: {skips[kind]} | | | | | |")
-            continue
-        r = rows[kind]
-        lo, hi = r["range"]
-        ratio = f"{r['step'] / ref['step']:.2f}x" if ref else "n/a"
-        rss = " / ".join(f"{x:.0f}" for x in r["rss"])
-        print(f"| {kind} | {r['step'] * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | {ratio} | "
-              f"{rss} | {r['losses'][0]:.6f} | {r['losses'][-1]:.6f} |")
+    lines = harness.contender_rows(args.contenders, rows, skips, lambda r: [
+        *harness.step_cells(r, ref), " / ".join(f"{x:.0f}" for x in r["rss"]),
+        f"{r['losses'][0]:.6f}", f"{r['losses'][-1]:.6f}"])
+    print(harness.markdown_table(
+        ["contender", "step ms (median)", "round medians", f"vs {REFERENCE}",
+         "peak RSS MB per rank", "loss step 1", "loss last"], lines, align="lrrrrrr"))
     print()
     for kind, r in rows.items():
         agree = "identical" if r["rounds_agree"] else "DIFFER"
@@ -441,17 +429,14 @@ def print_table(rows, skips, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    harness.add_round_args(parser, warmup=2, steps=10, rounds=3, timeout=300,
+                           contenders=CONTENDERS)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per contender-round")
     parser.add_argument("--ds-python", default="/work/venv-ds/bin/python",
                         help="an interpreter with deepspeed installed (same torch)")
     # one worker rank (the launcher's own command line)
@@ -464,31 +449,16 @@ def main():
     if args.worker:
         worker(args)
         return
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be at least 1")
-    print(f"torch {torch.__version__}, gloo, 1 thread per rank, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f} at start")
+    print(harness.start_line())
     t_start = time.perf_counter()
-    results = {k: [] for k in args.contenders}
-    skips = {}
-    n = len(args.contenders)
-    for rnd in range(args.rounds):
-        order = args.contenders[rnd % n:] + args.contenders[:rnd % n]
-        for kind in order:
-            if kind in skips:
-                continue
-            status, value = run(kind, args)
-            if status == "ok":
-                results[kind].append(value)
-            elif status == "skip":
-                skips[kind] = value
-            else:
-                print(f"{kind} failed (round {rnd}):\n{value}", file=sys.stderr)
-                skips[kind] = f"failed: {value.strip().splitlines()[0]}"
+    results, skips = harness.interleave(args.contenders, args.rounds,
+                                        lambda kind: run(kind, args))
     rows = {k: summarize(v) for k, v in results.items() if v and k not in skips}
     print_table(rows, skips, args)
-    print(f"\ntotal time {time.perf_counter() - t_start:.0f} s, load average "
-          f"{os.getloadavg()[0]:.1f} at the end")
+    print(harness.end_line(t_start))
+    if args.json:
+        harness.write_json(args.json, {"benchmark": "bench_pipe_engine", "args": vars(args),
+                                       "rows": rows, "skips": skips})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import itertools
 import json
 import os
@@ -52,15 +51,18 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from megazero.pipeline_parallel import interleaved, one_f_one_b
-from megazero.pipeline_parallel.p2p import P2P
-from megazero.pipeline_parallel.schedules import get_forward_backward_func
-from megazero.tools.pipeline_trace import bubble_fraction, theory_bubble, write_png
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
+from megazero.pipeline_parallel import interleaved, one_f_one_b  # noqa: E402
+from megazero.pipeline_parallel.p2p import P2P  # noqa: E402
+from megazero.pipeline_parallel.schedules import get_forward_backward_func  # noqa: E402
+from megazero.tools.pipeline_trace import bubble_fraction, theory_bubble, write_png  # noqa: E402
 
 SHAPE = (16, 2, 32)  # [s, b, h] activations between stages: small, so p2p is latency-bound
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small GPT-2 for the real-compute row: p=2, m=8 (global batch 32 / micro-batch 4).
 REAL_ARGV = ("--mock-data --vocab-size 1024 --num-layers 4 --hidden-size 256 "
              "--num-attention-heads 4 --seq-length 128 --micro-batch-size 4 "
@@ -150,15 +152,12 @@ def _p2p_cost(ps, n=100):
     return statistics.median(times) / 2
 
 
-def _worker(rank, world, port, configs, args, outdir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _rank(configs, args, outdir):
+    """One stage's process (``harness.spawn``): the synthetic schedules, traces to files."""
     from megazero.distributed.parallel_state import ParallelState
     from megazero.pipeline_parallel.trace import PipelineTrace
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
     base = ParallelState.build(tp_size=1, pp_size=world)
     fwd_s = args.fwd_ms / 1e3
     costs = []
@@ -175,18 +174,14 @@ def _worker(rank, world, port, configs, args, outdir):
             trace.save(os.path.join(outdir, f"p{world}_m{m}_v{v}_o{int(o)}_r{rep}.json"))
     with open(os.path.join(outdir, f"p2p_p{world}_rank{rank}.json"), "w") as f:
         json.dump(costs, f)
-    dist.destroy_process_group()
 
 
-def run_world(p, configs, args, outdir, worker=_worker):
-    store = dist.TCPStore("127.0.0.1", 0, p, is_master=True, wait_for_workers=False)
-    mp.spawn(worker, args=(p, store.port, configs, args, outdir), nprocs=p, join=True)
+def run_world(p, configs, args, outdir, worker=_rank):
+    harness.spawn(worker, p, configs, args, outdir, timeout=3600)
 
 
-def _real_worker(rank, world, port, configs, args, outdir):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    sys.path.insert(0, REPO)
+def _real_rank(configs, args, outdir):
+    """One stage of the real GPT-2 (``harness.spawn``): ``pretrain`` with its trace."""
     import logging
 
     import pretrain_gpt2
@@ -194,9 +189,7 @@ def _real_worker(rank, world, port, configs, args, outdir):
     from megazero.training import pretrain
 
     logging.disable(logging.INFO)  # the log line every 100 iterations is noise here
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=10))
+    world = dist.get_world_size()
     for rep in range(args.repeats):
         trace = os.path.join(outdir, f"real_r{rep}.json")
         argv = REAL_ARGV.format(iters=1 + args.iters, trace=trace).split()
@@ -204,7 +197,6 @@ def _real_worker(rank, world, port, configs, args, outdir):
                  pretrain_gpt2.model_provider, pretrain_gpt2.forward_step,
                  parse_args(argv, world_size=world),
                  zero3_unit_policy=pretrain_gpt2.zero3_unit_policy)
-    dist.destroy_process_group()
 
 
 # ---- the model: replay the schedule, simulate it --------------------------------------------
@@ -383,7 +375,7 @@ def main():
     for p in args.pp:
         run_world(p, [(m, v, o) for m, v, o in configs if v == 1 or m % p == 0], args, outdir)
     if not args.skip_real:
-        run_world(2, None, args, outdir, worker=_real_worker)
+        run_world(2, None, args, outdir, worker=_real_rank)
     costs = []
     for p in args.pp:
         with open(os.path.join(outdir, f"p2p_p{p}_rank0.json")) as f:

@@ -12,15 +12,20 @@ what tp communication costs here, it is not a target.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, REPO)
+
+from benchmarks import harness  # noqa: E402
 
 
 def _time_steps(step, iters, warmup=2):
@@ -47,16 +52,12 @@ def dense(args):
     return _time_steps(step, args.iters)
 
 
-def _tp_worker(rank, world, port, args, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _tp_rank(args):
+    """One tp rank (``harness.spawn``): its median step time and the bytes one step sends."""
     from megazero.distributed.parallel_state import ParallelState
     from megazero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=5))
-    ps = ParallelState.build(tp_size=world)
+    ps = ParallelState.build(tp_size=dist.get_world_size())
     h, f = args.hidden, 4 * args.hidden
     fc1 = ColumnParallelLinear(h, f, tp_group=ps.tp_group, gather_output=False)
     fc2 = RowParallelLinear(f, h, tp_group=ps.tp_group, input_is_parallel=True)
@@ -70,26 +71,13 @@ def _tp_worker(rank, world, port, args, out):
     t = _time_steps(step, args.iters)
     ps.comm.stats.reset()
     step()
-    sent = ps.comm.stats.total_sent()
-    times = [None] * world
-    dist.all_gather_object(times, t)
-    if rank == 0:
-        out.put((max(times), sent))
-    dist.destroy_process_group()
+    return t, ps.comm.stats.total_sent()
 
 
 def tensor_parallel(args, world=2):
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_tp_worker, args=(r, world, store.port, args, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=600)
-    for p in procs:
-        p.join()
-    return result
+    """(the slowest rank's median step time, the bytes rank 0 sends in one step)."""
+    ranks = harness.spawn(_tp_rank, world, args, timeout=600, pg_timeout=300)
+    return max(t for t, _ in ranks), ranks[0][1]
 
 
 def main():
