@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from megazero.checkpoint import CheckpointError, load_checkpoint, read_tracker, save_checkpoint
 from megazero.checkpoint.paths import atomic_save, atomic_write_text
 from megazero.config import MegazeroConfig, OptimizerConfig, ParallelConfig, TrainConfig
-from megazero.config.deepspeed import DeepSpeedConfigError, parse_ds_config
+from megazero.config.deepspeed import DeepSpeedConfigError, parse_ds_config, refuse_outside_mode
 from megazero.data_parallel import build_optimizer
 from megazero.distributed import comm
 from megazero.distributed.device import host_values
@@ -323,6 +323,7 @@ def from_ds_config(model: torch.nn.Module, ds_config, ps: ParallelState | None =
     values = {**_DS_DEFAULTS, **{k.split(".", 1)[1]: v for k, v in settings.fields.items()
                                  if k.startswith("optimizer.")}}
     optimizer_config = OptimizerConfig(**values)
+    refuse_outside_mode(settings.fields, optimizer_config)
     scheduler = None
     if settings.scheduler is not None:
         kind, params = settings.scheduler

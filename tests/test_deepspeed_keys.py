@@ -167,3 +167,39 @@ def test_the_block_size_alignment_is_the_io_engines():
     from megazero.ops.aio import ALIGN
 
     assert IO_ALIGN == ALIGN
+
+
+def _cli(tmp_path, zero: dict):
+    from megazero.arguments import parse_args
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                "gradient_accumulation_steps": 1, "zero_optimization": zero}))
+    return parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                       "--seq-length", "16", "--mock-data", "--vocab-size", "96",
+                       "--train-iters", "2", "--deepspeed", "--deepspeed_config", str(path)],
+                      world_size=1)
+
+
+@pytest.mark.parametrize("key,inside,outside", [
+    ("reduce_bucket_size", 2, 3), ("allgather_bucket_size", 1, 3),
+    ("stage3_max_live_parameters", 3, 2), ("stage3_prefetch_bucket_size", 3, 1),
+    ("stage3_param_persistence_threshold", 3, 2)])
+def test_a_key_outside_its_zero_stage_is_refused_by_name(tmp_path, capsys, key, inside,
+                                                         outside):
+    """A ZeRO key that does nothing at the stage the config ends at is refused naming the key
+    (as its flag is), and taken at the stage where it acts (``deepspeed.MODE_KEYS``)."""
+    assert _cli(tmp_path, {"stage": inside, key: 1000}).optimizer.zero_stage == inside
+    with pytest.raises(SystemExit):
+        _cli(tmp_path, {"stage": outside, key: 1000})
+    err = capsys.readouterr().err
+    assert key in err and ("do nothing in this configuration" in err or "needs" in err), err
+
+
+@pytest.mark.parametrize("zero", [{"stage": 2, "sub_group_size": 1000},
+                                  {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                     "buffer_count": 4}}])
+def test_nvme_keys_without_nvme_are_refused(tmp_path, capsys, zero):
+    with pytest.raises(SystemExit):
+        _cli(tmp_path, zero)
+    assert "nvme" in capsys.readouterr().err

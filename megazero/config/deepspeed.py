@@ -17,8 +17,25 @@ import os
 from dataclasses import dataclass, field, replace
 
 from megazero.config import deepspeed_schema as schema
+from megazero.config.checks import ConfigError
 from megazero.config.deepspeed_schema import DeepSpeedConfigError, check
-from megazero.config.optimizer import IO_ALIGN
+from megazero.config.optimizer import IO_ALIGN, OPTIMIZER_MODES
+
+# ds_config keys whose setting acts in one mode only (the flag's ``Needs`` in OPTIMIZER_MODES
+# says which): given outside it, the key is refused by name, as the flag is
+MODE_KEYS = {
+    "optimizer.zero_reduce_bucket_size": "zero_optimization.reduce_bucket_size / "
+                                         "allgather_bucket_size",
+    "optimizer.zero_prefetch": "zero_optimization.stage3_prefetch_bucket_size",
+    "optimizer.zero_prefetch_bucket_size": "zero_optimization.stage3_prefetch_bucket_size",
+    "optimizer.zero_max_live_parameters": "zero_optimization.stage3_max_live_parameters",
+    "optimizer.zero_param_persistence_threshold":
+        "zero_optimization.stage3_param_persistence_threshold",
+    "optimizer.nvme_sub_group_size": "zero_optimization.sub_group_size",
+    "optimizer.nvme_buffer_count": "zero_optimization.offload_optimizer.buffer_count",
+    "optimizer.nvme_threads": "aio.thread_count",
+    "optimizer.nvme_block_size": "aio.block_size",
+}
 
 
 @dataclass
@@ -48,7 +65,29 @@ class DeepSpeedSettings:
         d = config.to_dict()
         for section, values in parts.items():
             d[section].update(values)
-        return type(config).from_dict(d) if parts else replace(config)
+        try:
+            out = type(config).from_dict(d) if parts else replace(config)
+        except ConfigError as exc:  # a mode the dataclass refuses by value: name the key
+            keys = [key for path, key in MODE_KEYS.items() if path in self.fields
+                    for n in OPTIMIZER_MODES if n.field == path.split(".", 1)[1]
+                    if n.flags[0] in str(exc)]
+            if keys:
+                raise DeepSpeedConfigError(f"ds_config {', '.join(keys)}: {exc}") from None
+            raise
+        refuse_outside_mode(self.fields, out.optimizer)
+        return out
+
+
+def refuse_outside_mode(fields: dict, optimizer) -> None:
+    """Refuse the ds_config keys of ``MODE_KEYS`` that ``fields`` sets where the final
+    ``optimizer`` config (an ``OptimizerConfig``) is outside their mode, each named."""
+    refused = [f"{key}: {n.message(optimizer)}"
+               for path, key in MODE_KEYS.items() if path in fields
+               for n in OPTIMIZER_MODES if n.field == path.split(".", 1)[1]
+               and not n.mode(optimizer)]
+    if refused:
+        raise DeepSpeedConfigError("ds_config keys that do nothing in this configuration: "
+                                   + "; ".join(refused))
 
 
 def _get(config, path: str):
