@@ -65,6 +65,19 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_default_group():
+    """The dry run installs torch's fake process group as the default one; a gloo group of one
+    process that an earlier test's in-process engine left (``megazero.initialize`` in
+    tests/test_pipe.py, test_onebit.py, test_nvme.py: destroyed only at exit) would make that
+    fail, so it is closed first."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+
+
 def _recorded(job: Job, lay: Layout, stage: int, extra: list[str]) -> dict:
     """The dry run's collectives of its second training iteration on the first rank of
     ``stage``: {group: {op: {"calls", "bytes"}}}, with the pipeline's exchanges as
