@@ -80,6 +80,9 @@ ALWAYS_SO = {
                                                   "asynchronous",
     "--no-gradient-accumulation-fusion": "megazero never fuses the weight-gradient "
                                          "accumulation into the GEMM",
+    "--no-query-key-layer-scaling": "megazero never scales the attention scores by the "
+                                    "layer number (Megatron-DeepSpeed's query-key layer "
+                                    "scaling)",
 }
 
 
@@ -101,6 +104,9 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-position-embedding", action="store_true",
                    help="no learned absolute position embedding (--position-embedding-type "
                         "none unless rope)")
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="Megatron-DeepSpeed's: key/value heads (--group-query-attention "
+                        "--num-query-groups N when fewer than the attention heads)")
     g.add_argument("--kv-channels", type=int, default=None,
                    help="channels per attention head; must equal --hidden-size / "
                         "--num-attention-heads")
@@ -119,6 +125,20 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     for flag, why in REFUSED.items():
         r.add_argument(flag, dest=_dest(flag), nargs="*", default=None,
                        help=f"refused: {why}")
+
+
+def _key_value_heads(ns: argparse.Namespace) -> None:
+    """--num-key-value-heads N: grouped-query attention with N groups (fewer than the heads),
+    or plain multi-head attention (as many as the heads)."""
+    n = ns.num_key_value_heads
+    if n < 1 or (ns.num_attention_heads and ns.num_attention_heads % n):
+        raise ConfigError(f"--num-key-value-heads must be an integer >= 1 dividing "
+                          f"--num-attention-heads ({ns.num_attention_heads}), got {n}")
+    if ns.num_query_groups is not None and ns.num_query_groups != n:
+        raise ConfigError(f"--num-key-value-heads {n} contradicts --num-query-groups "
+                          f"{ns.num_query_groups}")
+    if n != ns.num_attention_heads:
+        ns.group_query_attention, ns.num_query_groups = True, n
 
 
 def _dest(flag: str) -> str:
@@ -170,6 +190,8 @@ def apply_compat(ns: argparse.Namespace) -> None:
         ns.recompute_granularity = "selective"
     if ns.use_distributed_optimizer and ns.zero_stage == 0:
         ns.zero_stage = 1
+    if ns.num_key_value_heads is not None:
+        _key_value_heads(ns)
     if ns.no_position_embedding and ns.position_embedding_type == "learned_absolute":
         ns.position_embedding_type = "none"
     if ns.use_flash_attn:

@@ -23,6 +23,11 @@ class FlagGroup:
         self.group.add_argument(*flags, dest=dest, **kwargs)
 
 
+def _normalization(value: str) -> str:
+    """Megatron's spelling of a norm from any case (Megatron-DeepSpeed: ``rmsnorm``)."""
+    return {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(value.lower(), value)
+
+
 def add_model_args(parser):
     g = FlagGroup(parser, "model", ModelConfig)
     for name in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
@@ -35,7 +40,11 @@ def add_model_args(parser):
     g.add("--rotary-base", type=int, help="RoPE's base period (default 10000)")
     g.add("--rotary-percent", type=float,
           help="fraction of each head's dimensions that RoPE rotates (default 1.0)")
-    g.add("--normalization", choices=["LayerNorm", "RMSNorm"])
+    g.add("--normalization", choices=["LayerNorm", "RMSNorm"], type=_normalization,
+          help="LayerNorm or RMSNorm (any case: Megatron-DeepSpeed writes rmsnorm)")
+    g.add("--use-rotary-position-embeddings", field="position_embedding_type",
+          action="store_const", const="rope",
+          help="Megatron-DeepSpeed's: --position-embedding-type rope")
     g.add("--swiglu", action="store_true",
           help="SwiGLU MLP: silu(gate) * up (default --ffn-hidden-size int(8h/3/64)*64)")
     g.add("--group-query-attention", action="store_true",
@@ -58,7 +67,7 @@ def add_model_args(parser):
     g.add("--recompute-granularity", choices=["full", "selective"],
           help="full: whole layers (--recompute-method, --recompute-num-layers); selective: "
                "only the attention core (scores, softmax, dropout, context)")
-    g.add("--recompute-method", choices=["uniform", "block"],
+    g.add("--recompute-method", "--activations-checkpoint-method", choices=["uniform", "block"],
           help="uniform: chunks of --recompute-num-layers layers, each recomputed as one; "
                "block: the first --recompute-num-layers layers of each stage, each alone")
     g.add("--checkpoint-num-layers", "--recompute-num-layers", field="recompute_num_layers",

@@ -86,6 +86,7 @@ FLAGS = {
                           outside=("", "--position-embedding-type none")),
     "--rotary-percent": Sets("model.rotary_percent", "0.5", mode=ROPE, outside=("",)),
     "--normalization": Sets("model.normalization", "RMSNorm"),
+    "--use-rotary-position-embeddings": Sets("model.position_embedding_type", want="rope"),
     "--swiglu": Sets("model.swiglu", want=True),
     "--group-query-attention": Sets("model.group_query_attention", want=True,
                                     with_="--num-query-groups 2", outside=("",)),
@@ -324,6 +325,7 @@ FLAGS = {
     # Megatron's flags with Megatron's meaning through megazero's settings
     **{flag: Same(why) for flag, why in arguments_compat.ALWAYS_SO.items()},
     "--use-distributed-optimizer": Sets("optimizer.zero_stage", want=1),
+    "--num-key-value-heads": Sets("model.num_query_groups", "2", want=2),
     "--recompute-activations": Sets("model.recompute_granularity", want="selective",
                                     outside=("--checkpoint-activations", FULL)),
     "--no-position-embedding": Sets("model.position_embedding_type", want="none"),
