@@ -203,3 +203,15 @@ def test_nvme_keys_without_nvme_are_refused(tmp_path, capsys, zero):
     with pytest.raises(SystemExit):
         _cli(tmp_path, zero)
     assert "nvme" in capsys.readouterr().err
+
+
+def test_the_engine_refuses_them_too():
+    """``megazero.initialize`` (DeepSpeed's entry point) refuses the same keys by name."""
+    import torch.nn as nn
+
+    import megazero
+
+    with pytest.raises(S.DeepSpeedConfigError, match="reduce_bucket_size"):
+        megazero.initialize(model=nn.Linear(2, 2), config={
+            "train_batch_size": 1, "zero_optimization": {"stage": 3,
+                                                         "reduce_bucket_size": 1000}})
