@@ -73,3 +73,11 @@ def test_held_out_errors_are_the_documented_ones(report):
             in results)
     assert (f"the planner's recommendation, held out: {rec['mean_abs']:.1%} mean, "
             f"{rec['max_abs']:.1%} worst") in results
+
+
+def test_bad_input_is_named(tmp_path, capsys):
+    assert fit.main(["--systems", str(tmp_path / "none")]) == 2
+    assert "--systems: no such file" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert fit.main(["--out", str(tmp_path / "file" / "x")]) == 2
+    assert "file" in capsys.readouterr().err

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import math
 import sys
 from pathlib import Path
@@ -57,9 +56,13 @@ from megazero.plan.published import (
     published_layout,
     runtime,
 )
-from megazero.plan.system import SYSTEMS_DIR, Efficiency, read_system, system_from_dict
-
-logger = logging.getLogger(__name__)
+from megazero.plan.system import (
+    SYSTEMS_DIR,
+    Efficiency,
+    PlanInputError,
+    read_system,
+    system_from_dict,
+)
 
 FITTED = ("gemm_max", "gemm_half_dim", "hbm", "network")
 # the grid searched (inclusive ranges): an efficiency is a fraction of a datasheet figure
@@ -271,6 +274,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the fitted system files into this folder")
     p.add_argument("--json", help="write the report as JSON")
     args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except (PlanInputError, OSError) as exc:  # a missing system file, an unwritable --out
+        sys.stderr.write(f"python -m megazero.plan.fit: {exc}\n")
+        return 2
+
+
+def _run(args) -> int:
     folder = Path(args.systems)
     files = {n: read_system(str(folder / f"{n}.json"), "--systems")
              for n in (FITTED_SYSTEM, *TRANSFERRED)}
